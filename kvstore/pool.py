@@ -1,0 +1,189 @@
+"""The paged KV pool in host memory: blocks, slots, block tables, one set of planes per layer.
+
+Layout (per layer, see kernels/cpu/attention.py LayerPlanes):
+    l_codes [n_blocks, block_size, tier.code_width(kv_lora)]  tier.code_dtype()
+    l_scale [n_blocks, block_size]                            float32
+    r_codes [n_blocks, block_size, tier.code_width(rope)]     tier.code_dtype()
+    r_scale [n_blocks, block_size]                            float32
+
+A slot owns a list of blocks (its block table row, -1 past the end) and a length (tokens
+written). Blocks are taken from a free list when a write reaches past the slot's capacity
+and given back when the slot is freed or truncated. Fresh planes are filled with NaN
+(f32) / 0xFF codes and NaN scales, so a read of an unwritten position shows up in tests.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kernels.cpu import codecs
+from kernels.cpu.attention import LayerPlanes, paged_mla_attention
+from kernels.tiers import Tier, get_tier
+
+
+class PoolFullError(RuntimeError):
+    """No free slot, or no free block for a slot's next tokens."""
+
+
+class KVPool:
+    def __init__(self, n_layers: int, kv_lora: int, rope: int, tier: Tier | str,
+                 n_blocks: int, block_size: int = 16, max_slots: int = 8,
+                 max_blocks_per_slot: int | None = None):
+        if n_blocks <= 0 or block_size <= 0 or max_slots <= 0:
+            raise ValueError(f"{n_blocks=}, {block_size=} and {max_slots=} must be positive")
+        self.tier = get_tier(tier)
+        self.n_layers, self.kv_lora, self.rope = n_layers, kv_lora, rope
+        self.block_size, self.n_blocks, self.max_slots = block_size, n_blocks, max_slots
+        nb = max_blocks_per_slot or n_blocks
+        dt = np.dtype(self.tier.code_dtype())
+        fill = np.nan if dt == np.float32 else 0xFF
+        self.planes = [
+            LayerPlanes(
+                l_codes=np.full((n_blocks, block_size, self.tier.code_width(kv_lora)), fill, dt),
+                l_scale=np.full((n_blocks, block_size), np.nan, np.float32),
+                r_codes=np.full((n_blocks, block_size, self.tier.code_width(rope)), fill, dt),
+                r_scale=np.full((n_blocks, block_size), np.nan, np.float32))
+            for _ in range(n_layers)]
+        self.block_tables = np.full((max_slots, nb), -1, np.int32)
+        self.lengths = np.zeros(max_slots, np.int64)
+        self._used = np.zeros(max_slots, bool)
+        self._free_blocks = list(range(n_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @classmethod
+    def for_model(cls, cfg, tier: Tier | str, slots: int, max_ctx: int,
+                  block_size: int = 16) -> "KVPool":
+        """A pool with room for `slots` slots of `max_ctx` tokens each for a ModelConfig."""
+        per_slot = math.ceil(max_ctx / block_size)
+        return cls(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, tier,
+                   n_blocks=slots * per_slot, block_size=block_size, max_slots=slots,
+                   max_blocks_per_slot=per_slot)
+
+    # -- slots ------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.block_tables.shape[1] * self.block_size
+
+    def alloc_slot(self) -> int:
+        free = np.flatnonzero(~self._used)
+        if free.size == 0:
+            raise PoolFullError(f"all {self.max_slots} slots are in use")
+        s = int(free[0])
+        self._used[s] = True
+        self.lengths[s] = 0
+        return s
+
+    def free_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.truncate(slot, 0)
+        self._used[slot] = False
+
+    def free_slots(self) -> int:
+        return int((~self._used).sum())
+
+    def length(self, slot: int) -> int:
+        return int(self.lengths[slot])
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep the first n tokens of a slot; blocks past them go back to the free list."""
+        self._check_slot(slot)
+        keep = math.ceil(n / self.block_size)
+        row = self.block_tables[slot]
+        for b in row[keep:][row[keep:] >= 0][::-1]:
+            self._free_blocks.append(int(b))
+        row[keep:] = -1
+        self.lengths[slot] = min(int(self.lengths[slot]), n)
+
+    def _check_slot(self, slot: int) -> None:
+        if not (0 <= slot < self.max_slots and self._used[slot]):
+            raise KeyError(f"slot {slot} is not allocated")
+
+    def _ensure(self, slot: int, n_tokens: int) -> None:
+        need = math.ceil(n_tokens / self.block_size)
+        if need > self.block_tables.shape[1]:
+            raise PoolFullError(f"slot {slot}: {n_tokens} tokens exceed the slot capacity "
+                                f"of {self.capacity_tokens}")
+        row = self.block_tables[slot]
+        missing = np.flatnonzero(row[:need] < 0)
+        if len(missing) > len(self._free_blocks):
+            raise PoolFullError(f"slot {slot}: needs {len(missing)} blocks, "
+                                f"{len(self._free_blocks)} free")
+        for i in missing:
+            row[i] = self._free_blocks.pop()
+
+    def _where(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(block id, offset) of each (slot, position), allocating blocks as needed."""
+        slots = np.asarray(slots, np.int64)
+        positions = np.asarray(positions, np.int64)
+        for s in np.unique(slots):
+            self._check_slot(int(s))
+            self._ensure(int(s), int(positions[slots == s].max()) + 1)
+        blk = self.block_tables[slots, positions // self.block_size]
+        return blk, positions % self.block_size
+
+    # -- rows -------------------------------------------------------------------------
+    def write(self, layer: int, slots, positions, L: np.ndarray, R: np.ndarray) -> None:
+        """Encode and store rows L [N, kv_lora] and R [N, rope] at (slot, position)."""
+        l_codes, l_scale = codecs.encode_rows(self.tier, np.asarray(L, np.float32))
+        r_codes, r_scale = codecs.encode_rows(self.tier, np.asarray(R, np.float32))
+        self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
+
+    def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
+                    r_scale) -> None:
+        """Store rows that are already in the tier's code layout (e.g. read from disk)."""
+        blk, off = self._where(slots, positions)
+        p = self.planes[layer]
+        p.l_codes[blk, off] = l_codes
+        p.l_scale[blk, off] = l_scale
+        p.r_codes[blk, off] = r_codes
+        p.r_scale[blk, off] = r_scale
+        slots = np.asarray(slots, np.int64)
+        np.maximum.at(self.lengths, slots, np.asarray(positions, np.int64) + 1)
+
+    def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
+        """Coded rows [start, end) of a slot: (l_codes, l_scale, r_codes, r_scale)."""
+        self._check_slot(slot)
+        end = self.length(slot) if end is None else end
+        pos = np.arange(start, end)
+        blk = self.block_tables[slot, pos // self.block_size]
+        off = pos % self.block_size
+        p = self.planes[layer]
+        return (p.l_codes[blk, off], p.l_scale[blk, off], p.r_codes[blk, off],
+                p.r_scale[blk, off])
+
+    def attend(self, layer: int, slots, positions, q_lat: np.ndarray, q_rope: np.ndarray,
+               scale: float) -> np.ndarray:
+        """Attention for a flat batch of N query tokens, each at (slot, position), over the
+        slot's rows 0..position. q_lat [N, H, kv_lora], q_rope [N, H, rope] -> ctx
+        [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
+        decode step (many slots, one token each) and a prefill chunk alike."""
+        slots = np.asarray(slots, np.int64)
+        positions = np.asarray(positions, np.int64)
+        uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
+        order = np.argsort(inv, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order)) - starts[inv[order]]  # index within its slot
+        B, Q = len(uniq), int(counts.max())
+        N, H, Dl = q_lat.shape
+        ql = np.zeros((B, Q, H, Dl), np.float32)
+        qr = np.zeros((B, Q, H, q_rope.shape[-1]), np.float32)
+        qp = np.full((B, Q), -1, np.int64)
+        ql[inv, rank] = q_lat
+        qr[inv, rank] = q_rope
+        qp[inv, rank] = positions
+        ctx = paged_mla_attention(self.tier, self.planes[layer], self.block_tables[uniq],
+                                  ql, qr, qp, scale)
+        return ctx[inv, rank]
+
+    # -- accounting -------------------------------------------------------------------
+    def bytes_per_token(self) -> int:
+        """Tier bytes of one token over all layers (rows and scales, as the tier table says)."""
+        return self.n_layers * self.tier.token_bytes(self.kv_lora, self.rope)
+
+    def bytes_in_use(self) -> int:
+        """Tier bytes of the blocks that slots hold now."""
+        return int((self.block_tables >= 0).sum()) * self.block_size * self.bytes_per_token()
+
+    def bytes_capacity(self) -> int:
+        return self.n_blocks * self.block_size * self.bytes_per_token()
