@@ -1,0 +1,104 @@
+"""The soak's self-contained HTML report: plots rendered with matplotlib (Agg) and inlined
+as base64 PNG, tables as plain HTML. No external scripts, styles or fonts."""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+COLORS = {"A": "#1f77b4", "B": "#d62728"}
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _over_time(rounds: pd.DataFrame, metrics: list[tuple[str, str]], title: str) -> str:
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.2))
+    axes = [axes] if len(metrics) == 1 else axes
+    t0 = rounds.start_s.min()
+    for ax, (col, label) in zip(axes, metrics):
+        for arm, r in rounds.groupby("arm"):
+            ax.plot(r.start_s - t0, r[col], "o-", color=COLORS.get(arm), label=f"{arm}")
+        ax.set_xlabel("time since start (s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    return _png(fig)
+
+
+def _ratios(rounds: pd.DataFrame, metrics: list[str]) -> str | None:
+    a = rounds[rounds.arm == "A"].set_index("round")
+    b = rounds[rounds.arm == "B"].set_index("round")
+    common = a.index.intersection(b.index)
+    if common.empty:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3))
+    for ax, m in zip(axes, metrics):
+        r = (b.loc[common, m].astype(float) / a.loc[common, m].astype(float)).dropna()
+        ax.hist(r, bins=max(3, min(20, len(r))), color="#7f7f7f")
+        ax.axvline(1.0, color="k", lw=1)
+        ax.set_title(f"{m} B/A")
+    fig.suptitle("per-round ratio distributions")
+    return _png(fig)
+
+
+def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
+    fig, ax = plt.subplots(figsize=(10, 2.4))
+    t0 = rounds.start_s.min()
+    for arm, r in rounds.groupby("arm"):
+        ax.barh(arm, r.end_s - r.start_s, left=r.start_s - t0, color=COLORS.get(arm), alpha=0.5)
+    if not faults.empty:
+        ax.vlines(faults.time_s - t0, -0.5, len(rounds.arm.unique()) - 0.5, colors="k",
+                  linestyles="dashed", label="worker killed")
+        ax.legend(loc="upper right")
+    ax.set_xlabel("time since start (s)")
+    ax.set_title("rounds and fault timeline")
+    return _png(fig)
+
+
+def _img(b64: str | None, alt: str) -> str:
+    return "" if b64 is None else f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame,
+                 faults: pd.DataFrame, title: str) -> None:
+    parts = [
+        _img(_over_time(rounds, [("throughput_tok_s", "tokens/s"), ("ttft_median_s", "median TTFT (s)"),
+                                 ("decode_tok_s_median", "decode tokens/s")],
+                        "throughput and latency per round"), "throughput and latency over time"),
+        _img(_over_time(rounds, [("rss_bytes", "process RSS (bytes)"),
+                                 ("kv_bytes", "KV bytes in use")], "memory per round"),
+             "memory over time"),
+        _img(_ratios(rounds, ["throughput_tok_s", "ttft_median_s", "decode_tok_s_median"])
+             if "B" in set(rounds.arm) else None, "ratio distributions"),
+        _img(_faults(rounds, faults), "fault timeline"),
+    ]
+    gate = summary.get("gate", {})
+    verdict = ("PASS" if gate.get("passed", True) else "FAIL: " + "; ".join(gate.get("failures", [])))
+    breaks = parity[parity.first_diff.notna()] if not parity.empty else parity
+    body = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} img{{max-width:100%;display:block;margin:1em 0}}
+table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}
+.fail{{color:#b00}} .pass{{color:#070}}</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
+{''.join(parts)}
+<h2>greedy parity (A vs B)</h2>
+<p>{len(parity)} prompt-rounds compared, {len(breaks)} differ.</p>
+{breaks.to_html(index=False) if len(breaks) else '<p>no differing completions</p>'}
+<h2>summary</h2><pre>{html.escape(json.dumps(summary, indent=1))}</pre>
+</body></html>"""
+    with open(path, "w") as f:
+        f.write(body)

@@ -1,0 +1,132 @@
+"""Soak summaries: medians with min/max per metric, A/B ratios pair by pair, greedy parity,
+and the regression gate.
+
+Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
+
+    requests: one row per request and round: round, arm ("A"/"B"), id, ttft_s,
+              decode_tokens_per_s, completion_tokens (list), finish_reason, error, ...
+    rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, and the
+              fault counters kills, recoveries, lost_requests.
+
+A ratio is B/A of the same round (rounds interleave A B A B, so a pair shares the machine's
+state); the summary gives the median, min and max of those per-round ratios.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+# Per-round metrics; True = higher is better (for the report's wording only).
+ROUND_METRICS = {
+    "throughput_tok_s": True,
+    "ttft_median_s": False,
+    "decode_tok_s_median": True,
+    "tokens_per_forward": True,
+    "expert_pins": True,
+    "expert_hit_rate": True,
+    "kv_bytes": False,
+    "rss_bytes": False,
+    "device_mem_bytes": False,
+    "errors": False,
+    "wall_s": False,
+}
+
+
+def _stats(values) -> dict:
+    v = np.asarray([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))],
+                   dtype=np.float64)
+    if v.size == 0:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max()),
+            "n": int(v.size)}
+
+
+def first_difference(a, b) -> int | None:
+    """Index of the first token where two completions differ (a length difference counts
+    at the shorter length); None when they are identical."""
+    a, b = list(a), list(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def parity_table(requests: pd.DataFrame) -> pd.DataFrame:
+    """Per (round, id): the first differing token index between A and B, or None."""
+    a = requests[requests.arm == "A"].set_index(["round", "id"])
+    b = requests[requests.arm == "B"].set_index(["round", "id"])
+    rows = []
+    for key in a.index.intersection(b.index):
+        ra, rb = a.loc[key], b.loc[key]
+        ok = ra.finish_reason != "error" and rb.finish_reason != "error"
+        rows.append({"round": key[0], "id": key[1],
+                     "first_diff": first_difference(ra.completion_tokens, rb.completion_tokens)
+                     if ok else None,
+                     "compared": bool(ok)})
+    return pd.DataFrame(rows, columns=["round", "id", "first_diff", "compared"])
+
+
+def summarize(requests: pd.DataFrame, rounds: pd.DataFrame, greedy: bool) -> dict:
+    arms = sorted(rounds.arm.unique())
+    out: dict = {"arms": arms, "rounds": int(rounds["round"].nunique()), "metrics": {}}
+    for arm in arms:
+        r = rounds[rounds.arm == arm]
+        out["metrics"][arm] = {m: _stats(r[m]) for m in ROUND_METRICS if m in r}
+        q = requests[requests.arm == arm]
+        out["metrics"][arm]["request_ttft_s"] = _stats(q.ttft_s)
+        out["metrics"][arm]["request_decode_tok_s"] = _stats(q.decode_tokens_per_s)
+    if "B" in arms:
+        a = rounds[rounds.arm == "A"].set_index("round")
+        b = rounds[rounds.arm == "B"].set_index("round")
+        common = a.index.intersection(b.index)
+        ratios = {}
+        for m in ROUND_METRICS:
+            if m in a and m in b:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ra = (b.loc[common, m].astype(float) / a.loc[common, m].astype(float))
+                ratios[m] = _stats(ra.replace([np.inf, -np.inf], np.nan).tolist())
+        out["ratio_B_over_A"] = ratios
+        par = parity_table(requests)
+        diffs = par[par.compared & par.first_diff.notna()]
+        out["parity"] = {"greedy": greedy, "compared": int(par.compared.sum()),
+                         "breaks": int(len(diffs)),
+                         "first_diff_min": None if diffs.empty else int(diffs.first_diff.min())}
+    out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "recoveries", "lost_requests")
+                     if k in rounds}
+    return out
+
+
+@dataclass(frozen=True)
+class GateFailure:
+    metric: str
+    value: float
+    limit: float
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.metric} = {self.value:g} {self.rule} {self.limit:g}"
+
+
+def apply_gate(summary: dict, gate) -> list[GateFailure]:
+    """Check a summary against a gate (an object with min_throughput_ratio,
+    max_parity_breaks, max_lost_requests, max_errors; None disables a rule)."""
+    fails = []
+    ratio = summary.get("ratio_B_over_A", {}).get("throughput_tok_s", {}).get("median")
+    if gate.min_throughput_ratio is not None and ratio is not None and ratio < gate.min_throughput_ratio:
+        fails.append(GateFailure("throughput ratio B/A (median)", ratio, gate.min_throughput_ratio, "<"))
+    par = summary.get("parity")
+    if (gate.max_parity_breaks is not None and par and par["greedy"]
+            and par["breaks"] > gate.max_parity_breaks):
+        fails.append(GateFailure("greedy parity breaks", par["breaks"], gate.max_parity_breaks, ">"))
+    lost = summary.get("faults", {}).get("lost_requests", 0)
+    if gate.max_lost_requests is not None and lost > gate.max_lost_requests:
+        fails.append(GateFailure("lost requests", lost, gate.max_lost_requests, ">"))
+    if gate.max_errors is not None:
+        for arm, m in summary["metrics"].items():
+            errs = m.get("errors", {}).get("max")
+            if errs is not None and errs > gate.max_errors:
+                fails.append(GateFailure(f"errors per round ({arm})", errs, gate.max_errors, ">"))
+    return fails

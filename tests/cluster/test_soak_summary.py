@@ -1,0 +1,61 @@
+"""Soak summary arithmetic on hand-made tables (the end-to-end soak has its own test)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+
+from cluster.soak.summary import apply_gate, first_difference, parity_table, summarize
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([], []) is None
+
+
+def _tables():
+    rounds = pd.DataFrame({
+        "round": [0, 0, 1, 1, 2, 2], "arm": list("ABABAB"),
+        "throughput_tok_s": [100.0, 90.0, 120.0, 60.0, 80.0, 84.0],
+        "ttft_median_s": [0.1, 0.2, 0.1, 0.1, 0.2, 0.1],
+        "kills": [0, 0, 1, 0, 0, 0], "recoveries": [0, 0, 1, 0, 0, 0],
+        "lost_requests": [0, 0, 0, 0, 0, 0], "errors": [0, 0, 0, 0, 0, 2],
+    })
+    req = []
+    for r in range(3):
+        for arm in "AB":
+            for i in range(2):
+                toks = [1, 2, 3, 4]
+                if arm == "B" and r == 1 and i == 1:
+                    toks = [1, 2, 7, 4]
+                req.append({"round": r, "arm": arm, "id": f"p{i}", "completion_tokens": toks,
+                            "finish_reason": "length", "ttft_s": 0.1 + i, "decode_tokens_per_s": 10.0})
+    return pd.DataFrame(req), rounds
+
+
+def test_summary_ratios_pair_by_pair_and_parity():
+    requests, rounds = _tables()
+    s = summarize(requests, rounds, greedy=True)
+    # ratios per round: 0.9, 0.5, 1.05 -> median 0.9 (not 234/300 of the totals)
+    t = s["ratio_B_over_A"]["throughput_tok_s"]
+    assert np.isclose(t["median"], 0.9) and np.isclose(t["min"], 0.5) and np.isclose(t["max"], 1.05)
+    assert s["metrics"]["A"]["throughput_tok_s"]["median"] == 100.0
+    assert s["parity"] == {"greedy": True, "compared": 6, "breaks": 1, "first_diff_min": 2}
+    assert s["faults"] == {"kills": 1, "recoveries": 1, "lost_requests": 0}
+    par = parity_table(requests)
+    assert par.loc[(par["round"] == 1) & (par.id == "p1"), "first_diff"].item() == 2
+
+
+def test_gate_names_the_failing_metric():
+    requests, rounds = _tables()
+    s = summarize(requests, rounds, greedy=True)
+    gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=0, max_lost_requests=0,
+                           max_errors=1)
+    fails = [str(f) for f in apply_gate(s, gate)]
+    assert any(f.startswith("throughput ratio B/A (median) = 0.9 < 0.95") for f in fails)
+    assert any(f.startswith("greedy parity breaks = 1 > 0") for f in fails)
+    assert any("errors per round (B) = 2 > 1" in f for f in fails)
+    lenient = SimpleNamespace(min_throughput_ratio=0.5, max_parity_breaks=1, max_lost_requests=0,
+                              max_errors=None)
+    assert apply_gate(s, lenient) == []
