@@ -1,0 +1,140 @@
+"""tq4 codec against a literal transcription of the DESIGN.md contract."""
+import numpy as np
+import pytest
+
+from kernels.cpu import rotation, tq4
+from kernels.cpu.codecs import decode_rows, encode_rows
+
+
+def norm_py(row):
+    s = 0.0
+    for v in row:  # float64, left to right, as the C loop
+        s += float(v) * float(v)
+    return np.float32(np.sqrt(s))
+
+
+def encode_literal(row):
+    """One row, step by step: norm, inert rule, rotate, 16-way float32 scan, nibbles."""
+    n = len(row)
+    norm = norm_py(row)
+    if not (norm > np.float32(1e-35)) or norm > np.float32(3.4e38) or not rotation.rotatable(n):
+        return np.zeros(n // 2, np.uint8), np.float32(0)
+    y = rotation.rotate(row[None])[0]
+    invstd = np.sqrt(np.float32(n)) / norm
+    v = y * invstd
+    d = np.abs(v[:, None] - tq4.LEVELS[None, :])  # float32 distances
+    code = np.argmin(d, axis=1)  # first minimum = lower index on a tie
+    packed = np.array([code[i] | (code[i + 1] << 4) for i in range(0, n, 2)], np.uint8)
+    return packed, norm
+
+
+def gaussian(rows, n, seed=0):
+    return np.random.default_rng(seed).standard_normal((rows, n)).astype(np.float32)
+
+
+def rel_l2(tier, x):
+    c, s = encode_rows(tier, x)
+    y = decode_rows(tier, c, s, x.shape[-1])
+    return float(np.mean(np.linalg.norm(y - x, axis=1) / np.linalg.norm(x, axis=1)))
+
+
+@pytest.mark.parametrize("n", [2, 4, 16, 64, 512])
+def test_codes_equal_literal_contract(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((24, n)) * np.exp(rng.uniform(-30, 30, (24, 1)))).astype(np.float32)
+    x[3] = 0
+    x[4, 0] = np.nan
+    codes, radius = tq4.encode(x)
+    for r in range(24):
+        c, s = encode_literal(x[r])
+        assert np.array_equal(codes[r], c), r
+        assert radius[r] == s or (np.isnan(s) and radius[r] == 0), r
+
+
+def test_nearest_level_equals_full_scan_including_ties():
+    L = tq4.LEVELS
+    mids = (L[1:] + L[:-1]) / np.float32(2)
+    v = np.concatenate([L, mids, np.nextafter(mids, np.float32(9)), np.nextafter(mids, np.float32(-9)),
+                        np.linspace(-4, 4, 4001, dtype=np.float32),
+                        np.array([0.0, -0.0, 1e-30, 45.3, -45.3, np.inf, -np.inf, np.nan], np.float32)])
+    with np.errstate(invalid="ignore"):
+        scan = np.argmin(np.abs(v[:, None] - L[None, :]), axis=1)
+    scan[np.isnan(v)] = 0  # argmin of an all-NaN row is 0 as well; made explicit
+    assert np.array_equal(tq4.nearest_level(v), scan)
+    assert tq4.nearest_level(np.float32([0.0]))[0] == 7  # |0 - -0.128| == |0 - 0.128|
+
+
+def test_radius_is_exact_sequential_float64_norm():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((40, 256)) * np.exp(rng.uniform(-20, 20, (40, 256)))).astype(np.float32)
+    _, radius = tq4.encode(x)
+    assert np.array_equal(radius, np.array([norm_py(r) for r in x], np.float32))
+
+
+def test_nibble_order_low_nibble_is_even_index():
+    x = gaussian(5, 32, seed=7)
+    codes, _ = tq4.encode(x)
+    levels = tq4.unpack_levels(codes)
+    assert np.array_equal(levels[:, 0::2], tq4.LEVELS[codes & 0xF])
+    assert np.array_equal(levels[:, 1::2], tq4.LEVELS[codes >> 4])
+
+
+def test_gaussian_relative_error_matches_lloyd_max():
+    err = rel_l2("tq4", gaussian(2000, 512))
+    assert abs(err - 0.0975) <= 0.003 and err <= 0.0980, err
+
+
+def test_beats_polar3_and_polar4():
+    x = gaussian(300, 512, seed=11)
+    e = {t: rel_l2(t, x) for t in ("tq4", "polar3", "polar4")}
+    assert e["tq4"] < e["polar4"] < e["polar3"], e
+
+
+@pytest.mark.parametrize("n", [2, 64, 2048])
+def test_one_hot_rows(n):
+    x = np.zeros((3, n), np.float32)
+    x[0, 0], x[1, n // 2], x[2, n - 1] = 3.0, -0.25, 1e20
+    codes, radius = tq4.encode(x)
+    assert np.array_equal(radius, np.float32([3.0, 0.25, 1e20]))
+    y = tq4.decode(codes, radius, n)
+    # rotated one-hots are +-|x|/sqrt(n) everywhere: v = +-1, nearest level +-0.942
+    scale = np.abs(x).max(1, keepdims=True)
+    np.testing.assert_allclose(y / scale, np.float32(0.942) * x / scale, atol=2e-6)
+
+
+def test_inert_rows_and_widths():
+    x = gaussian(7, 64, seed=3)
+    x[0] = 0
+    x[1, 5] = np.nan
+    x[2, 9] = np.inf
+    x[3] = np.float32(1e-40)                      # subnormal: norm 8e-40 < 1e-35
+    x[4] = 0; x[4, 0] = np.float32(3.4028e38)     # norm > 3.4e38
+    codes, radius = tq4.encode(x)
+    assert np.all(codes[:5] == 0) and np.all(radius[:5] == 0)
+    assert np.all(radius[5:] > 0)
+    y = tq4.decode(codes, radius, 64)
+    assert np.all(y[:5] == 0) and np.all(np.isfinite(y))
+    for n in (6, 10, 4096):  # not a power of two in 2..2048
+        c, s = encode_rows("tq4", gaussian(3, n))
+        assert c.shape == (3, n // 2) and np.all(c == 0) and np.all(s == 0)
+        assert np.all(decode_rows("tq4", c, s, n) == 0)
+
+
+def test_decode_rejects_bad_radius():
+    x = gaussian(4, 128, seed=4)
+    codes, radius = tq4.encode(x)
+    radius = np.float32([np.nan, np.inf, -1.0, 0.0])
+    assert np.all(tq4.decode(codes, radius, 128) == 0)
+
+
+def test_any_leading_shape_and_determinism():
+    x = gaussian(2 * 3 * 5, 256, seed=8).reshape(2, 3, 5, 256)
+    c, s = encode_rows("tq4", x)
+    assert c.shape == (2, 3, 5, 128) and s.shape == (2, 3, 5)
+    c2, s2 = tq4.encode(x.reshape(-1, 256)[7:9])
+    assert np.array_equal(c.reshape(-1, 128)[7:9], c2) and np.array_equal(s.reshape(-1)[7:9], s2)
+    big = gaussian(1100, 256, seed=9)  # crosses the encoder's block size
+    cb, sb = tq4.encode(big)
+    assert np.array_equal(cb[1000:], tq4.encode(big[1000:])[0])
+    y = decode_rows("tq4", c, s, 256)
+    assert y.shape == x.shape
