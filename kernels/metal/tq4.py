@@ -1,0 +1,85 @@
+"""tq4 (rotated int4, TurboQuant MSE) row codec with MLX ops, bit-identical to
+kernels/cpu/tq4.py (contract: DESIGN.md "KV tiers" and that module's docstring).
+
+The row norm is float32(sqrt(sum of x_i^2 accumulated in float64, left to right)). Metal has
+no float64, and a different summation order can move the float32 norm by one ulp on a few
+rows in ten million, so the norm is not computed on the GPU: `row_norms` runs on MLX's CPU
+stream (mx.cpu, on every machine) as a float64 cumulative sum -- a sequential scan, the
+contract's loop order -- and the per-row divide sqrtf(n)/norm runs there too (correctly
+rounded IEEE division). On a Mac the CPU stream reads the same unified memory, so this costs
+one pass over the rows on the CPU, no copy. Everything else (rotation, nearest level,
+nibble packing) is float32 multiply/add/compare and integer ops on the compute device,
+with no mx.compile (a fused kernel may contract float ops).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from kernels.cpu import tq4 as ref
+from kernels.cpu.rotation import rotatable
+from kernels.metal.rotation import rotate, unrotate
+
+_LEVELS = mx.array(ref.LEVELS)
+_PAIR_LEVELS = mx.array(ref.PAIR_LEVELS)  # [256, 2]: levels of a byte, low nibble first
+
+
+def row_norms(x: mx.array) -> mx.array:
+    """x[R, n] float32 -> float32 norms per row (float64 sequential sum on the CPU stream)."""
+    x64 = x.astype(mx.float64, stream=mx.cpu)
+    acc = mx.cumsum(mx.multiply(x64, x64, stream=mx.cpu), axis=-1, stream=mx.cpu)
+    return mx.sqrt(acc[:, -1], stream=mx.cpu).astype(mx.float32, stream=mx.cpu)
+
+
+def nearest_level(v: mx.array) -> mx.array:
+    """Index of the nearest level per float32 value; ties keep the lower index. A non-finite
+    v (butterfly overflow near 3.4e38) has no strictly smaller distance: index 0."""
+    lo = mx.sum(v[..., None] >= _LEVELS, axis=-1).astype(mx.int32) - 1  # last level <= v
+    lo = mx.clip(lo, 0, 14)
+    d_lo = mx.abs(v - _LEVELS[lo])
+    d_hi = mx.abs(v - _LEVELS[lo + 1])
+    code = lo + (d_hi < d_lo).astype(mx.int32)
+    finite = ~(mx.isnan(v) | mx.isinf(v))
+    return mx.where(finite, code, 0).astype(mx.uint8)
+
+
+def encode(x: mx.array) -> tuple[mx.array, mx.array]:
+    """x[R, n] float32 -> (codes[R, n/2] uint8, radius[R] float32)."""
+    x = x.astype(mx.float32)
+    rows, n = x.shape
+    if not rotatable(n):  # widths the rotation rejects are inert
+        return mx.zeros((rows, n // 2), mx.uint8), mx.zeros((rows,), mx.float32)
+    norm = row_norms(x)
+    live = (norm > ref._TINY.item()) & ~(norm > ref._HUGE.item())
+    safe = mx.where(live, norm, mx.array(1.0, mx.float32), stream=mx.cpu)
+    invstd = mx.divide(mx.array(np.sqrt(np.float32(n))), safe, stream=mx.cpu)
+    code = nearest_level(rotate(x) * invstd[:, None])
+    packed = code[:, 0::2] | (code[:, 1::2] << mx.array(4, mx.uint8))
+    codes = mx.where(live[:, None], packed, mx.array(0, mx.uint8))
+    return codes, mx.where(live, norm, mx.array(0.0, mx.float32))
+
+
+def step(radius: mx.array, n: int) -> mx.array:
+    """Per-row level multiplier radius / sqrtf(n) (CPU stream: exact IEEE division);
+    0 where radius <= 0 or non-finite."""
+    radius = radius.astype(mx.float32)
+    ok = (radius > 0) & ~mx.isinf(radius) & ~mx.isnan(radius)
+    q = mx.divide(radius, mx.array(np.sqrt(np.float32(n))), stream=mx.cpu)
+    return mx.where(ok, q, mx.array(0.0, mx.float32))
+
+
+def unpack_levels(codes: mx.array) -> mx.array:
+    """[..., n/2] bytes -> [..., n] float32 levels (unscaled, rotated domain)."""
+    return _PAIR_LEVELS[codes].reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+
+
+def decode_rotated(codes: mx.array, radius: mx.array, n: int) -> mx.array:
+    """Scaled levels in the rotated domain, [..., n] float32 (decode without the unrotate)."""
+    return unpack_levels(codes) * step(radius, n)[..., None]
+
+
+def decode(codes: mx.array, radius: mx.array, n: int) -> mx.array:
+    """codes[R, n/2], radius[R] -> x[R, n] float32. Widths the rotation rejects decode to 0."""
+    if not rotatable(n):
+        return mx.zeros((*codes.shape[:-1], n), mx.float32)
+    return unrotate(decode_rotated(codes, radius, n))

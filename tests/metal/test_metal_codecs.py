@@ -1,0 +1,137 @@
+"""MLX codecs vs the numpy reference: codes and scales bit for bit, on random and hostile rows."""
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from kernels.cpu import codecs as cpu_codecs  # noqa: E402
+from kernels.cpu import fp8 as cpu_fp8  # noqa: E402
+from kernels.cpu import rotation as cpu_rot  # noqa: E402
+from kernels.cpu import tq4 as cpu_tq4  # noqa: E402
+from kernels.metal import codecs, fp8, rotation, tq4  # noqa: E402
+from kernels.metal.backend import KernelStats  # noqa: E402
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a
+
+
+def hostile_rows(rng, rows: int, n: int) -> np.ndarray:
+    """Gaussian rows at magnitudes from 1e-30 to 1e30, plus every inert/special kind."""
+    x = rng.standard_normal((rows, n)) * np.exp(rng.uniform(-69, 69, (rows, 1)))
+    x = x.astype(np.float32)
+    x[0] = 0.0                                       # zero row
+    x[1] = np.nan                                    # all-NaN row
+    x[2, n // 2] = np.inf                            # Inf in a row
+    x[3] = np.float32(1e-40) * rng.standard_normal(n).astype(np.float32)  # subnormal row
+    x[4, ::3] = np.nan                               # NaN among normal values
+    x[5] = -0.0
+    x[6] = np.float32(3.0e38)                        # near float32 max (norm overflows)
+    x[7, 0] = -np.inf
+    x[8] = rng.standard_normal(n).astype(np.float32)
+    x[8, 1] = np.float32(1e-39)                      # one subnormal among normal values
+    x[9] = np.float32(1e-36)                         # tiny but normal: amax under 1e-35
+    return x
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+@pytest.mark.parametrize("n", [512, 64, 16, 2])
+def test_encode_bit_identical_random_and_hostile(tier, n):
+    rng = np.random.default_rng(n)
+    x = hostile_rows(rng, 257, n)
+    c_ref, s_ref = cpu_codecs.encode_rows(tier, x.copy())  # copy: the reference wrote into a
+    # single-row block's input at one point (np.ascontiguousarray(x.T) shares memory)
+    c, s = codecs.encode_rows(tier, mx.array(x))
+    np.testing.assert_array_equal(bits(np.array(c)), bits(c_ref))
+    np.testing.assert_array_equal(bits(np.array(s)), bits(s_ref))
+    assert np.array(c).dtype == c_ref.dtype and np.array(s).dtype == np.float32
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+def test_leading_axes_and_decode_match(tier):
+    rng = np.random.default_rng(7)
+    x = hostile_rows(rng, 60, 128).reshape(3, 20, 128)
+    c_ref, s_ref = cpu_codecs.encode_rows(tier, x.copy())
+    c, s = codecs.encode_rows(tier, mx.array(x))
+    assert tuple(c.shape) == c_ref.shape and tuple(s.shape) == s_ref.shape
+    d_ref = cpu_codecs.decode_rows(tier, c_ref, s_ref, 128)
+    d = codecs.decode_rows(tier, c, s, 128)
+    np.testing.assert_array_equal(bits(np.array(d)), bits(d_ref))
+
+
+def test_fp8_enc_on_random_bit_patterns_and_ties():
+    rng = np.random.default_rng(3)
+    u = rng.integers(0, 2 ** 32, 400_000, dtype=np.uint64).astype(np.uint32)
+    # RNE ties: midpoints between neighbouring e4m3 values, normal and subnormal, both signs
+    vals = np.unique(np.abs(cpu_fp8.DECODE_TABLE[:0x7F]))
+    mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
+    edge = np.array([448, 464, 480, 2 ** -6, 2 ** -7, 2 ** -9, 2 ** -10, 2 ** -10 * 3,
+                     np.inf, np.nan, 0.0], np.float32)
+    f = np.concatenate([u.view(np.float32), mids, -mids, edge, -edge,
+                        np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(1e9))])
+    np.testing.assert_array_equal(np.array(fp8.enc(mx.array(f))), cpu_fp8.enc(f))
+    np.testing.assert_array_equal(cpu_fp8.enc(f[-200:]), cpu_fp8.enc_reference(f[-200:]))
+
+
+def test_fp8_saturation_at_the_row_max():
+    # amax * (448 / amax) rounds above 448 for some amax: those bytes must saturate to 0x7E
+    rng = np.random.default_rng(11)
+    amax = rng.uniform(1, 2, 5000).astype(np.float32)
+    x = np.stack([amax, -amax, amax / 3], axis=1)
+    c_ref, _ = cpu_codecs.encode_rows("kv8", x)
+    c, _ = codecs.encode_rows("kv8", mx.array(x))
+    assert (c_ref[:, 0] == 0x7E).any()  # the case occurs in this sample
+    np.testing.assert_array_equal(np.array(c), c_ref)
+
+
+def test_tq4_nearest_level_ties_and_specials():
+    lv = cpu_tq4.LEVELS.astype(np.float64)
+    mids = ((lv[:-1] + lv[1:]) / 2).astype(np.float32)
+    v = np.concatenate([mids, np.nextafter(mids, np.float32(-9)), np.nextafter(mids, np.float32(9)),
+                        cpu_tq4.LEVELS, [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30]]
+                       ).astype(np.float32)
+    v = np.concatenate([v, np.random.default_rng(5).standard_normal(10000).astype(np.float32) * 2])
+    got = np.array(tq4.nearest_level(mx.array(v)))
+    np.testing.assert_array_equal(got, cpu_tq4.nearest_level(v))
+
+
+def test_tq4_norm_is_the_sequential_float64_sum():
+    # order matters: 2^54 then ones -- a sequential float64 sum never moves, a pairwise one does
+    x = np.ones((4, 1024), np.float32)
+    x[:, 0] = np.float32(2.0 ** 27)
+    sq = x.astype(np.float64) ** 2
+    seq = np.add.accumulate(sq, axis=-1)[:, -1]
+    assert sq.sum(axis=-1)[0] != seq[0]  # the orders really differ here
+    x64 = mx.array(x).astype(mx.float64, stream=mx.cpu)
+    acc = mx.cumsum(x64 * x64, axis=-1, stream=mx.cpu)[:, -1]
+    np.testing.assert_array_equal(np.array(acc), seq)
+    rng = np.random.default_rng(9)
+    y = hostile_rows(rng, 512, 2048)
+    np.testing.assert_array_equal(bits(np.array(tq4.row_norms(mx.array(y)))),
+                                  bits(cpu_tq4.row_norms(y)))
+
+
+@pytest.mark.parametrize("n", [2, 8, 64, 512, 2048])
+def test_rotation_bit_identical(n):
+    x = np.random.default_rng(n).standard_normal((33, n)).astype(np.float32) * 1e3
+    np.testing.assert_array_equal(bits(np.array(rotation.rotate(mx.array(x)))),
+                                  bits(cpu_rot.rotate(x)))
+    np.testing.assert_array_equal(bits(np.array(rotation.unrotate(mx.array(x)))),
+                                  bits(cpu_rot.unrotate(x)))
+    with pytest.raises(ValueError, match="n=12"):
+        rotation.rotate(mx.zeros((1, 12)))
+
+
+def test_polar_goes_through_numpy_and_is_counted():
+    stats = KernelStats()
+    x = np.random.default_rng(2).standard_normal((9, 64)).astype(np.float32)
+    c, s = codecs.encode_rows("polar3", mx.array(x), stats=stats)
+    c_ref, s_ref = cpu_codecs.encode_rows("polar3", x)
+    np.testing.assert_array_equal(np.array(c), c_ref)
+    assert stats.fallback["encode_polar3"] == 1 and stats.fallback_count() == 1
+
+
+def test_bad_width_names_the_shape():
+    with pytest.raises(ValueError, match="n=7"):
+        codecs.encode_rows("tq4", mx.zeros((2, 7)))
