@@ -99,6 +99,13 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 <p>{len(parity)} prompt-rounds compared, {len(breaks)} differ.</p>
 {breaks.to_html(index=False) if len(breaks) else '<p>no differing completions</p>'}
 <h2>summary</h2><pre>{html.escape(json.dumps(summary, indent=1))}</pre>
+<script>
+// marks how many plots decoded, so a headless browser check can read it from the DOM
+window.addEventListener("load", function () {{
+  var ok = Array.prototype.filter.call(document.images, function (i) {{ return i.naturalWidth > 0; }});
+  document.body.setAttribute("data-plots-loaded", String(ok.length));
+}});
+</script>
 </body></html>"""
     with open(path, "w") as f:
         f.write(body)
