@@ -33,7 +33,7 @@ COMMON: dict[str, Any] = {
     "rms_norm_eps": 1e-6, "rope_interleave": True, "num_nextn_predict_layers": 0,
     "index_n_heads": 0, "index_head_dim": 0, "index_topk": 0, "tie_word_embeddings": False,
     "bos_token_id": None, "eos_token_id": None, "max_position_embeddings": 4096,
-    "rope_theta": 10000.0,
+    "rope_theta": 10000.0, "attention_bias": False,
 }
 FAMILY: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"routed_scaling_factor": 2.5},
@@ -55,6 +55,8 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # explicit cos/sin scale; None = derived from mscale
+    truncate: bool = True  # round the YaRN correction range outward to whole dims
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class ModelConfig:
     index_head_dim: int
     index_topk: int
     tie_word_embeddings: bool
+    attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default=())
     source: str = "<dict>"
@@ -178,6 +181,9 @@ def _rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
         raise _err(source, f"{where}.rope_type", kind, "is not supported (only 'yarn' or 'default')")
     s = {k: v for k, v in scaling.items() if v is not None}
     orig = s.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+    if "factor" not in s and isinstance(orig, (int, float)) and orig > 0:
+        s["factor"] = d.get("max_position_embeddings", 4096) / orig  # as transformers does
+    af = s.get("attention_factor")
     ys = RopeScaling(
         factor=_float(s, "factor", f"{source} {where}"),
         original_max_position_embeddings=_int({"o": orig}, "o", f"{source} {where}.original_max_position_embeddings"),
@@ -186,6 +192,8 @@ def _rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
         mscale=_float({"mscale": s.get("mscale", 1.0)}, "mscale", f"{source} {where}", positive=False),
         mscale_all_dim=_float({"mscale_all_dim": s.get("mscale_all_dim", 0.0)}, "mscale_all_dim",
                               f"{source} {where}", positive=False),
+        attention_factor=None if af is None else _float(s, "attention_factor", f"{source} {where}"),
+        truncate=bool(s.get("truncate", True)),
     )
     return theta, ys
 
@@ -241,6 +249,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         index_head_dim=_int(d, "index_head_dim", source, lo=0),
         index_topk=_int(d, "index_topk", source, lo=0),
         tie_word_embeddings=bool(d["tie_word_embeddings"]),
+        attention_bias=bool(d["attention_bias"]),
         bos_token_id=_int(d, "bos_token_id", source, lo=0, optional=True),
         eos_token_ids=_eos(d.get("eos_token_id"), source),
         source=source,

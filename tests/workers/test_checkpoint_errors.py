@@ -1,0 +1,155 @@
+"""Bad checkpoints and configs give one clear error naming the thing; good variants load."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from workers.config import ConfigError, ModelConfig
+from workers.model import Model
+from workers.safetensors_io import WeightsError, read_header, save_file
+from workers.weights import load_params, name_table, open_checkpoint
+
+
+@pytest.fixture
+def ckpt(tiny, tmp_path):
+    """A writable copy of the f32 tiny checkpoint and its tensors."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny("f32"), d)
+    refs = open_checkpoint(d)
+    return d, {n: r.read() for n, r in refs.items()}
+
+
+def test_missing_tensor_names_it_and_its_shape(ckpt):
+    d, t = ckpt
+    del t["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(d / "model.safetensors", t, "F32")
+    with pytest.raises(WeightsError, match=r"missing tensor 'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight' \[32, 64\]"):
+        Model.load(d)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(ckpt):
+    d, t = ckpt
+    t["model.layers.0.self_attn.kv_b_proj.weight"] = t["model.layers.0.self_attn.kv_b_proj.weight"][:-1]
+    save_file(d / "model.safetensors", t, "F32")
+    with pytest.raises(WeightsError, match=r"'model\.layers\.0\.self_attn\.kv_b_proj\.weight' has shape \[127, 512\], expected \[128, 512\]"):
+        Model.load(d)
+
+
+def test_unknown_tensor_is_an_error(ckpt):
+    d, t = ckpt
+    t["model.layers.0.self_attn.mystery.weight"] = np.ones(3, np.float32)
+    save_file(d / "model.safetensors", t, "F32")
+    with pytest.raises(WeightsError, match=r"unknown tensor 'model\.layers\.0\.self_attn\.mystery\.weight'"):
+        Model.load(d)
+
+
+def test_mtp_and_indexer_tensors_are_recognized_not_errors(ckpt, caplog):
+    d, t = ckpt
+    t["model.layers.3.eh_proj.weight"] = np.ones((4, 4), np.float32)  # MTP layer (layers = 3)
+    t["model.layers.3.enorm.weight"] = np.ones(4, np.float32)
+    t["model.layers.1.self_attn.indexer.wk.weight"] = np.ones((4, 4), np.float32)
+    save_file(d / "model.safetensors", t, "F32")
+    with caplog.at_level("INFO"):
+        Model.load(d)
+    assert "2 mtp tensors" in caplog.text and "1 dsa indexer tensors" in caplog.text
+
+
+def test_truncated_safetensors_names_the_file(ckpt):
+    d, _ = ckpt
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    with pytest.raises(WeightsError, match=r"model\.safetensors: truncated safetensors file: tensor '.*' ends at byte"):
+        Model.load(d)
+    f.write_bytes(data[:20])
+    with pytest.raises(WeightsError, match="truncated"):
+        read_header(f)
+
+
+def test_missing_shard_and_missing_weights(tiny, tmp_path):
+    d = tmp_path / "s"
+    shutil.copytree(tiny("sharded"), d)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(WeightsError, match="model-00002-of-00002.safetensors"):
+        Model.load(d)
+    (d / "model.safetensors.index.json").unlink()
+    with pytest.raises(WeightsError, match="no model.safetensors"):
+        Model.load(d)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_attention_heads", 0, "num_attention_heads=0 must be >= 1"),
+    ("num_experts_per_tok", 9, "num_experts_per_tok=9 exceeds n_routed_experts=8"),
+    ("topk_group", 3, "topk_group=3 exceeds n_group=2"),
+    ("n_group", 3, "n_routed_experts=8 is not divisible by n_group=3"),
+    ("scoring_func", "relu", "scoring_func='relu' must be one of"),
+    ("kv_lora_rank", "512", "kv_lora_rank='512' must be an integer"),
+    ("rope_scaling", {"type": "dynamic", "factor": 2}, "rope_type='dynamic' is not supported"),
+])
+def test_bad_config_value_names_field_and_file(tiny, tmp_path, field, value, match):
+    d = tmp_path / "c"
+    shutil.copytree(tiny(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=match) as e:
+        Model.load(d)
+    assert str(d / "config.json") in str(e.value)
+
+
+def test_missing_required_config_field(tiny, tmp_path):
+    raw = json.loads((tiny() / "config.json").read_text())
+    del raw["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="x.json: missing required field 'kv_lora_rank'"):
+        ModelConfig.from_dict(raw, source="x.json")
+
+
+def test_rope_parameters_form_equals_hub_form(tiny):
+    raw = json.loads((tiny("yarn") / "config.json").read_text())
+    hub = ModelConfig.from_dict(raw)
+    v5 = dict(raw)
+    v5["rope_parameters"] = {"rope_type": "yarn", "rope_theta": raw["rope_theta"], **raw["rope_scaling"]}
+    del v5["rope_scaling"], v5["rope_theta"]
+    assert ModelConfig.from_dict(v5) == hub
+    assert hub.rope_scaling.factor == 8.0 and hub.rope_scaling.mscale_all_dim == 0.7
+
+
+def test_family_defaults_and_unknown_keys(tiny):
+    raw = json.loads((tiny() / "config.json").read_text())
+    for k in ("scoring_func", "topk_method", "routed_scaling_factor", "norm_topk_prob"):
+        del raw[k]
+    raw["some_future_key"] = {"x": 1}
+    v3 = ModelConfig.from_dict({**raw, "model_type": "deepseek_v3"})
+    assert (v3.scoring_func, v3.topk_method, v3.routed_scaling_factor) == ("sigmoid", "noaux_tc", 2.5)
+    v2 = ModelConfig.from_dict({**raw, "model_type": "deepseek_v2", "n_group": 1, "topk_group": 1})
+    assert (v2.scoring_func, v2.topk_method, v2.norm_topk_prob) == ("softmax", "greedy", False)
+    assert ModelConfig.from_dict({**raw, "eos_token_id": [1, 2]}).eos_token_ids == (1, 2)
+
+
+def test_bf16_storage_reads_exactly(tmp_path):
+    x = np.array([[1.0, -2.5, 3.140625, 1e-3], [65504.0, -0.0, 7.0, 1 / 3]], np.float32)
+    save_file(tmp_path / "a.safetensors", {"w": x}, "BF16")
+    got = read_header(tmp_path / "a.safetensors")["w"].read()
+    import ml_dtypes
+    np.testing.assert_array_equal(got, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    save_file(tmp_path / "b.safetensors", {"w": x}, "F16")
+    np.testing.assert_array_equal(read_header(tmp_path / "b.safetensors")["w"].read(), x.astype(np.float16).astype(np.float32))
+
+
+def test_name_table_covers_checkpoint(tiny):
+    d = tiny()
+    cfg = ModelConfig.from_file(d / "config.json")
+    assert set(name_table(cfg)) == set(open_checkpoint(d))
+    p = load_params(d, cfg)
+    assert p["layers.1.experts.gate"].shape == (8, 32, 64)
+    assert "layers.0.gate" in p and "layers.0.router" not in p
+
+
+def test_tiny_model_is_deterministic(maker, tmp_path):
+    a = maker.make_tiny_model(tmp_path / "a", 7)
+    b = maker.make_tiny_model(tmp_path / "b", 7)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f

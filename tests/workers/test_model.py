@@ -1,0 +1,121 @@
+"""Model logits vs the independent float64 reference, and decode-through-cache consistency."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.pool import KVPool
+from mla_reference import reference_logits
+from workers.model import Model
+
+VARIANTS = [(), ("no_q_lora",), ("softmax",), ("softmax_grouped",), ("yarn",), ("tied",),
+            ("multi_eos",), ("half_rope",), ("sharded",), ("f32",),
+            ("no_q_lora", "half_rope", "yarn", "tied")]
+IDS = [5, 300, 17, 42, 511, 0, 99, 250, 7, 123, 64, 1, 480, 33]
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def new_pool(model, slots=4, max_ctx=64, block_size=4, tier="f32"):
+    return KVPool.for_model(model.config, tier, slots=slots, max_ctx=max_ctx, block_size=block_size)
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    cache = {}
+
+    def get(*variants):
+        if variants not in cache:
+            cache[variants] = (Model.load(tiny(*variants)), tiny(*variants))
+        return cache[variants]
+    return get
+
+
+@pytest.mark.parametrize("variants", VARIANTS, ids=lambda v: "+".join(v) or "base")
+def test_prefill_and_decode_match_reference(models, variants):
+    model, d = models(*variants)
+    ref = reference_logits(d, IDS)
+    pool = new_pool(model)
+    pool.alloc_slot()  # slot 0 taken: the tested slot's blocks are not the first ones
+    s = pool.alloc_slot()
+    n0 = 9
+    pre = model.forward(IDS[:n0], [s] * n0, np.arange(n0), pool)
+    assert rel_err(pre, ref[:n0]) < 1e-5
+    dec = [model.forward([t], [s], [n0 + j], pool)[0] for j, t in enumerate(IDS[n0:])]
+    assert rel_err(np.array(dec), ref[n0:]) < 1e-5
+    assert np.isfinite(pre).all()
+
+
+def test_token_by_token_decode_equals_one_prefill(models):
+    model, _ = models()
+    pool = new_pool(model)
+    a, b = pool.alloc_slot(), pool.alloc_slot()
+    full = model.forward(IDS, [a] * len(IDS), np.arange(len(IDS)), pool)
+    steps = np.array([model.forward([t], [b], [i], pool)[0] for i, t in enumerate(IDS)])
+    assert rel_err(steps, full) < 1e-5
+    last = model.forward(IDS[-1:], [a], [len(IDS) - 1], pool)  # rewrite of the last row
+    np.testing.assert_allclose(last[0], full[-1], rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+def test_logits_at_selects_rows(models):
+    model, _ = models()
+    pool = new_pool(model)
+    s = pool.alloc_slot()
+    full = model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), new_pool(model) and pool)
+    s2 = pool.alloc_slot()
+    some = model.forward(IDS, [s2] * len(IDS), np.arange(len(IDS)), pool, logits_at=[len(IDS) - 1, 2])
+    np.testing.assert_allclose(some, full[[len(IDS) - 1, 2]], rtol=0, atol=1e-6)
+
+
+def test_ragged_multi_slot_decode_equals_single_slot_runs(models):
+    model, _ = models("yarn")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (3, 11, 6)]
+    steps = 5
+    conts = [rng.integers(0, 512, steps).tolist() for _ in prompts]
+    # single-slot runs, each in its own pool
+    single = []
+    for p, cont in zip(prompts, conts):
+        pool = new_pool(model, slots=1)
+        s = pool.alloc_slot()
+        ids = p + cont
+        single.append(model.forward(ids, [s] * len(ids), np.arange(len(ids)), pool)[len(p):])
+    # one pool, slots allocated around a freed one, prefills then batched shuffled decode
+    pool = new_pool(model, slots=5)
+    junk = pool.alloc_slot()
+    slots = [pool.alloc_slot() for _ in prompts]
+    model.forward([9, 8, 7, 6, 5], [junk] * 5, np.arange(5), pool)
+    pool.free_slot(junk)  # its blocks (full of stale rows) go to the free list
+    for s, p in zip(slots[::-1], prompts[::-1]):
+        model.forward(p, [s] * len(p), np.arange(len(p)), pool)
+    got = np.zeros((len(prompts), steps, model.config.vocab_size), np.float32)
+    for j in range(steps):
+        order = rng.permutation(len(prompts))
+        lg = model.forward([conts[i][j] for i in order], [slots[i] for i in order],
+                           [len(prompts[i]) + j for i in order], pool)
+        got[order, j] = lg
+    for i in range(len(prompts)):
+        assert rel_err(got[i], single[i]) < 1e-5, f"slot {i}"
+
+
+def test_mixed_prefill_and_decode_in_one_call(models):
+    model, _ = models()
+    pool = new_pool(model)
+    a, b = pool.alloc_slot(), pool.alloc_slot()
+    model.forward(IDS[:5], [a] * 5, np.arange(5), pool)
+    mixed = model.forward([IDS[5]] + IDS[:4], [a] + [b] * 4, [5, 0, 1, 2, 3], pool)
+    ref = reference_logits(models()[1], IDS[:6])
+    assert rel_err(mixed[:1], ref[5:6]) < 1e-5
+    assert rel_err(mixed[1:], ref[:4]) < 1e-5
+
+
+def test_bad_inputs_are_errors(models):
+    model, _ = models()
+    pool = new_pool(model)
+    s = pool.alloc_slot()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.forward([512], [s], [0], pool)
+    with pytest.raises(ValueError, match="equal"):
+        model.forward([1, 2], [s], [0, 1], pool)

@@ -1,0 +1,82 @@
+"""The DeepSeek-V3-family decoder on float32 numpy: embed -> layers (MLA + dense MLP or MoE)
+-> final norm -> lm_head (or the tied embedding).
+
+`Model.forward` takes a FLAT token batch: tokens[N], slots[N], positions[N]. One call may
+hold a prefill chunk of one slot (positions p0..p0+n-1) or one decode token for each of many
+slots at different positions, or any mix. Every layer writes its L/R rows to the pool first
+and then attends through it, so prefill and decode read the same (possibly quantized) cache.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from workers.config import ModelConfig
+from workers.mla import MLA
+from workers.moe import MoE, gated_mlp
+from workers.norm import rms_norm
+from workers.rope import Rope
+from workers.weights import load_params
+
+log = logging.getLogger(__name__)
+
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, i: int, p: dict[str, np.ndarray], rope: Rope):
+        self.i, self.cfg, self.p = i, cfg, p
+        self.attn = MLA(cfg, p, rope)
+        self.moe = MoE(cfg, p) if cfg.is_moe_layer(i) else None
+
+    def __call__(self, x, slots, positions, pool, cos, sin):
+        eps = self.cfg.rms_norm_eps
+        h = x + self.attn(rms_norm(x, self.p["attn_norm"], eps), self.i, slots, positions, pool, cos, sin)
+        y = rms_norm(h, self.p["mlp_norm"], eps)
+        mlp = self.moe(y) if self.moe else gated_mlp(y, self.p["gate"], self.p["up"], self.p["down"])
+        return h + mlp
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, params: dict[str, np.ndarray]):
+        self.config = cfg
+        self.rope = Rope.from_config(cfg)
+        self.embed = params["embed"]
+        self.norm = params["norm"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else params["lm_head"]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            pre = f"layers.{i}."
+            p = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
+            self.layers.append(Layer(cfg, i, p, self.rope))
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "Model":
+        cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
+        model = cls(cfg, load_params(model_dir, cfg))
+        log.info("loaded %s: %d layers, hidden %d, %d experts, vocab %d", model_dir,
+                 cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.vocab_size)
+        return model
+
+    def forward(self, tokens, slots, positions, pool, logits_at=None) -> np.ndarray:
+        """Logits [N, vocab] (or [len(logits_at), vocab]) f32 for a flat batch of tokens."""
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        if not (len(tokens) == len(slots) == len(positions)) or len(tokens) == 0:
+            raise ValueError(f"tokens, slots, positions must be equal non-empty lengths, got "
+                             f"{len(tokens)}, {len(slots)}, {len(positions)}")
+        V = self.config.vocab_size
+        if tokens.min() < 0 or tokens.max() >= V:
+            bad = tokens[(tokens < 0) | (tokens >= V)][:5].tolist()
+            raise ValueError(f"token ids {bad} are outside the vocabulary [0, {V})")
+        if positions.min() < 0:
+            raise ValueError(f"negative positions {positions[positions < 0][:5].tolist()}")
+        x = self.embed[tokens]
+        cos, sin = self.rope.cos_sin(positions)
+        for layer in self.layers:
+            x = layer(x, slots, positions, pool, cos, sin)
+        if logits_at is not None:
+            x = x[np.asarray(logits_at, np.int64)]
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return (x @ self.lm_head.T).astype(np.float32, copy=False)

@@ -1,0 +1,83 @@
+"""Mixture of experts: the router (top-k over sigmoid or softmax scores) and the SiLU-gated
+experts, routed plus shared. Dense layers (first_k_dense_replace) use `gated_mlp` alone.
+
+Routers, as transformers implements them:
+  noaux_tc (sigmoid)  s = sigmoid(logits); choice = s + e_score_correction_bias; with n_group
+      > 1 a group scores the sum of its top-2 choices and only the best topk_group groups stay
+      (others -inf); top-k over choice picks experts; weights come from s (unbiased).
+  greedy (softmax)    s = softmax(logits); top-k of s.
+  group_limited_greedy  as greedy after keeping the topk_group groups with the largest max s.
+Then weights /= sum + 1e-20 when norm_topk_prob, and *= routed_scaling_factor.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workers.config import ModelConfig
+from workers.norm import sigmoid, silu
+
+
+def gated_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """down(silu(gate x) * up x); x [N, hidden], gate/up [I, hidden], down [hidden, I]."""
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices [N, k] of the k largest per row (ties: lower index first)."""
+    return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def _keep_groups(choice: np.ndarray, group_score: np.ndarray, keep: int, fill: float) -> np.ndarray:
+    """Set the experts of all but the `keep` best groups to `fill`. choice [N, E], group_score [N, G]."""
+    n, g = group_score.shape
+    best = _top_k(group_score, keep)
+    mask = np.zeros((n, g), bool)
+    np.put_along_axis(mask, best, True, axis=-1)
+    mask = np.repeat(mask, choice.shape[1] // g, axis=1)
+    return np.where(mask, choice, np.float32(fill))
+
+
+def route(cfg: ModelConfig, logits: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [N, E] -> (expert ids [N, k], weights [N, k] f32)."""
+    k, G = cfg.num_experts_per_tok, cfg.n_group
+    if cfg.scoring_func == "sigmoid":
+        scores = sigmoid(logits)
+    else:
+        z = logits - logits.max(axis=-1, keepdims=True)
+        e = np.exp(z)
+        scores = e / e.sum(axis=-1, keepdims=True)
+    choice = scores + bias if (cfg.topk_method == "noaux_tc" and bias is not None) else scores
+    if cfg.topk_method == "noaux_tc" and G > 1:
+        grouped = np.sort(choice.reshape(len(choice), G, -1), axis=-1)
+        choice = _keep_groups(choice, grouped[..., -2:].sum(-1), cfg.topk_group, -np.inf)
+    elif cfg.topk_method == "group_limited_greedy" and G > 1:
+        choice = _keep_groups(choice, choice.reshape(len(choice), G, -1).max(-1), cfg.topk_group, 0.0)
+    idx = _top_k(choice, k)
+    w = np.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    return idx, (w * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, p: dict[str, np.ndarray]):
+        self.cfg, self.p = cfg, p
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        p = self.p
+        idx, w = route(self.cfg, x @ p["router"].T, p.get("router_bias"))
+        out = np.zeros_like(x)
+        # Group the (token, pick) pairs by expert: one matmul per expert that has tokens.
+        flat = idx.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        experts, starts = np.unique(flat[order], return_index=True)
+        ends = np.append(starts[1:], len(order))
+        k = idx.shape[1]
+        for e, a, b in zip(experts, starts, ends):
+            pick = order[a:b]
+            tok = pick // k  # each token picks an expert at most once: no repeated rows
+            y = gated_mlp(x[tok], p["experts.gate"][e], p["experts.up"][e], p["experts.down"][e])
+            out[tok] += y * w.reshape(-1)[pick, None]
+        if "shared.gate" in p:
+            out += gated_mlp(x, p["shared.gate"], p["shared.up"], p["shared.down"])
+        return out

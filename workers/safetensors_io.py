@@ -1,0 +1,107 @@
+"""Reading and writing .safetensors files with numpy only (no code from the checkpoint runs).
+
+Format: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
+data_offsets: [begin, end]}, "__metadata__": {...}}, then the data; offsets count from the
+byte after the header. We parse the header ourselves so that bf16 (which numpy lacks) reads
+as float32 and a file shorter than its header promises is reported, naming file and tensor.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+
+class WeightsError(ValueError):
+    """A checkpoint that cannot be loaded: names the file and tensor, with expected vs found."""
+
+
+# dtype tag -> (numpy storage dtype, bytes per element)
+DTYPES = {"BF16": (np.dtype("<u2"), 2), "F16": (np.dtype("<f2"), 2), "F32": (np.dtype("<f4"), 4),
+          "F64": (np.dtype("<f8"), 8)}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's bytes lie; `read()` returns it as float32."""
+    file: Path
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    def read(self) -> np.ndarray:
+        storage, _ = DTYPES[self.dtype]
+        count = math.prod(self.shape)
+        raw = np.memmap(self.file, dtype=storage, mode="r", offset=self.offset, shape=(count,))
+        if self.dtype == "BF16":  # bf16 is the high half of a float32
+            out = (raw.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = raw.astype(np.float32)
+        return out.reshape(self.shape)
+
+
+def read_header(path: Path) -> dict[str, TensorRef]:
+    """Parse and check a .safetensors header; every tensor must lie inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise WeightsError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise WeightsError(f"{path}: truncated safetensors file: header says {n} header bytes, "
+                               f"file has {size - 8} after the length")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: safetensors header is not a JSON object")
+    refs: dict[str, TensorRef] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise WeightsError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        if dtype not in DTYPES:
+            raise WeightsError(f"{path}: tensor {name!r} has dtype {dtype!r}; supported: {sorted(DTYPES)}")
+        nbytes = math.prod(shape) * DTYPES[dtype][1]
+        if end - begin != nbytes or begin < 0:
+            raise WeightsError(f"{path}: tensor {name!r} {dtype}{list(shape)} needs {nbytes} bytes, "
+                               f"header gives data_offsets [{begin}, {end}]")
+        if 8 + n + end > size:
+            raise WeightsError(f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
+                               f"{8 + n + end}, file has {size} bytes")
+        refs[name] = TensorRef(path, name, dtype, shape, 8 + n + begin, nbytes)
+    return refs
+
+
+def save_file(path: Path, tensors: dict[str, np.ndarray], dtype: str = "BF16",
+              metadata: dict[str, str] | None = None) -> None:
+    """Write float tensors as one .safetensors file in `dtype` (bf16 rounds to nearest even)."""
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    blobs, pos = [], 0
+    for name, arr in tensors.items():
+        arr = np.asarray(arr, dtype=np.float32)
+        if dtype == "BF16":
+            data = arr.astype(ml_dtypes.bfloat16).tobytes()
+        else:
+            data = arr.astype(DTYPES[dtype][0]).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [pos, pos + len(data)]}
+        blobs.append(data)
+        pos += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for b in blobs:
+            f.write(b)
