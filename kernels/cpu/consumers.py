@@ -14,9 +14,13 @@ scale 0, never garbage.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-from kernels.tiers import Tier
+from kernels.cpu import fp8, polar, tq4
+from kernels.cpu.rotation import rotatable, rotate, unrotate
+from kernels.tiers import Tier, TierError, get_tier
 
 
 def _f32_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -27,15 +31,131 @@ def _f32_context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -
     return np.matmul(p, codes)
 
 
-# kind -> (scores, context); the quantized kinds register theirs below.
+# kind (or tier name, where the kind alone is not enough: polar2..6) -> (scores, context);
+# the quantized kinds register theirs below.
 _CONSUMERS = {"f32": (_f32_scores, _f32_context)}
+
+
+def _pick(tier: Tier):
+    tier = get_tier(tier)
+    found = _CONSUMERS.get(tier.name) or _CONSUMERS.get(tier.kind)
+    if found is None:
+        raise TierError(f"{tier.name}: no numpy consumer for kind {tier.kind!r}")
+    return found
 
 
 def scores(tier: Tier, q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """q[..., M, n] against the coded rows [..., T, w] -> [..., M, T] float32."""
-    return _CONSUMERS[tier.kind][0](q, codes, scales)
+    return _pick(tier)[0](q, codes, scales)
 
 
 def context(tier: Tier, p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
     """Weights p[..., M, T] times the coded rows [..., T, w] -> [..., M, n] float32."""
-    return _CONSUMERS[tier.kind][1](p, codes, scales, n)
+    return _pick(tier)[1](p, codes, scales, n)
+
+
+# ---- quantized kinds (kv8, tq4, polar) ------------------------------------------------------
+# Scales broadcast as [..., 1, T] (per token, after the dot) or are folded into the weights p.
+
+def _per_token(scales: np.ndarray) -> np.ndarray:
+    return np.asarray(scales, dtype=np.float32)[..., None, :]
+
+
+def _fp8_levels(codes: np.ndarray) -> np.ndarray:
+    """Unscaled table values [..., T, n]; the per-row scale is applied after the dot."""
+    return fp8.DECODE_TABLE[codes]
+
+
+def _fp8_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    s = np.matmul(q, _fp8_levels(codes).swapaxes(-1, -2))
+    s *= _per_token(scales)
+    return s
+
+
+def _fp8_context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+    return np.matmul(p * _per_token(scales), _fp8_levels(codes))
+
+
+# tq4: x_t = D H(c_t * step_t) with c_t the codebook levels and H = H^T, so
+#   q . x_t = (H D q) . c_t * step_t = rotate(q) . c_t * step_t
+#   sum_t p_t x_t = D H(sum_t p_t step_t c_t) = unrotate(sum_t p_t step_t c_t)
+# One rotation per query row, one unrotate per context row, none per cached token.
+
+def _tq_levels(codes: np.ndarray) -> np.ndarray:
+    """Codebook levels [..., T, n] (one [256, 2] table gather per byte), unscaled."""
+    return tq4.PAIR_LEVELS[codes].reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+
+
+def _tq_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    n = q.shape[-1]
+    if not rotatable(n):  # inert width: every row decodes to zeros
+        return np.zeros((*np.broadcast_shapes(q.shape[:-2], codes.shape[:-2]),
+                         q.shape[-2], codes.shape[-2]), dtype=np.float32)
+    s = np.matmul(rotate(q), _tq_levels(codes).swapaxes(-1, -2))
+    s *= _per_token(tq4.step(scales, n))
+    return s
+
+
+def _tq_context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+    if not rotatable(n):
+        return np.zeros((*np.broadcast_shapes(p.shape[:-2], codes.shape[:-2]), p.shape[-2], n),
+                        dtype=np.float32)
+    acc = np.matmul(p * _per_token(tq4.step(scales, n)), _tq_levels(codes))
+    return unrotate(acc)
+
+
+# polar: the angle tree has no per-coordinate codebook to dot through, so the rows are rebuilt
+# in the rotated domain (the unrotate is still saved: q is rotated once, the context
+# unrotated once). Every rebuilt row is counted in POLAR_REBUILDS (rebuild_count()).
+
+class WorkCounter:
+    """A thread-safe running count of work units (here: polar rows rebuilt to float32)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def add(self, k: int) -> None:
+        with self._lock:
+            self._value += int(k)
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+
+POLAR_REBUILDS = WorkCounter()
+
+
+def rebuild_count() -> int:
+    """Polar rows rebuilt to float32 by the consumers in this process so far."""
+    return POLAR_REBUILDS.value
+
+
+def _polar_rows(codes: np.ndarray, scales: np.ndarray, n: int, bits: int) -> np.ndarray:
+    lead = codes.shape[:-1]
+    flat = codes.reshape(-1, codes.shape[-1])
+    POLAR_REBUILDS.add(flat.shape[0])
+    rows = polar.decode_rotated(flat, np.asarray(scales, np.float32).reshape(-1), n, bits)
+    return rows.reshape(*lead, n)
+
+
+def _polar_consumers(bits: int):
+    def _scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        n = q.shape[-1]
+        if not rotatable(n):
+            return _tq_scores(q, codes, scales)  # the zeros of an inert width
+        return np.matmul(rotate(q), _polar_rows(codes, scales, n, bits).swapaxes(-1, -2))
+
+    def _context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+        if not rotatable(n):
+            return _tq_context(p, codes, scales, n)
+        return unrotate(np.matmul(p, _polar_rows(codes, scales, n, bits)))
+
+    return _scores, _context
+
+
+_CONSUMERS["fp8"] = (_fp8_scores, _fp8_context)
+_CONSUMERS["tq"] = (_tq_scores, _tq_context)
+for _bits in range(2, 7):
+    _CONSUMERS[f"polar{_bits}"] = _polar_consumers(_bits)

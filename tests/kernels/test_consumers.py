@@ -1,0 +1,111 @@
+"""Native consumers against decode-then-attend (float64), with hostile planes."""
+import numpy as np
+import pytest
+
+from kernels.cpu import consumers, fp8, polar, tq4
+from kernels.cpu.codecs import decode_rows, encode_rows
+from kernels.tiers import get_tier
+
+TIERS = ["f32", "kv8", "tq4"] + [f"polar{b}" for b in range(2, 7)]
+
+
+def plane(tier, rows, n, rng):
+    """A code plane with garbage in the rows that are not passed: NaN rows through the codec
+    (which makes them inert), random bytes and NaN/Inf scales in the unused rows."""
+    x = (rng.standard_normal((rows, n)) * rng.uniform(0.1, 30, (rows, 1))).astype(np.float32)
+    x[rows // 2] = np.nan
+    codes, scales = encode_rows(tier, x)
+    unused = rng.permutation(rows)[: rows // 3]
+    if not tier.quantized:  # f32 keeps the NaN row as it is: it must not be passed
+        unused = np.union1d(unused, [rows // 2])
+    if codes.dtype == np.uint8:
+        codes[unused] = rng.integers(0, 256, codes[unused].shape, dtype=np.uint8)
+    else:
+        codes[unused] = np.nan
+    scales[unused] = np.where(rng.random(len(unused)) < 0.5, np.nan, np.inf)
+    used = np.setdiff1d(rng.permutation(rows), unused)
+    rng.shuffle(used)
+    return codes, scales, used
+
+
+def rel_err(got, ref):
+    assert got.shape == ref.shape and np.all(np.isfinite(got))
+    return float(np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("n", [512, 64])
+@pytest.mark.parametrize("name", TIERS)
+def test_equal_to_decode_then_attend(name, n):
+    rng = np.random.default_rng(hash((name, n)) % 2**32)
+    tier = get_tier(name)
+    codes, scales, used = plane(tier, 300, n, rng)
+    c, s = codes[used], scales[used]  # shuffled, only the live rows
+    rows = decode_rows(tier, c, s, n).astype(np.float64)
+    assert np.all(np.isfinite(rows))
+    q = rng.standard_normal((7, n)).astype(np.float32)
+    p = rng.random((7, len(used))).astype(np.float32)
+    assert rel_err(consumers.scores(tier, q, c, s), q.astype(np.float64) @ rows.T) < 1e-5
+    assert rel_err(consumers.context(tier, p, c, s, n), p.astype(np.float64) @ rows) < 1e-5
+
+
+@pytest.mark.parametrize("name", TIERS)
+def test_batched_leading_axis(name):
+    rng = np.random.default_rng(7)
+    tier = get_tier(name)
+    B, M, T, n = 3, 4, 50, 128
+    x = rng.standard_normal((B, T, n)).astype(np.float32)
+    c, s = encode_rows(tier, x)
+    c[1, 40:], s[1, 40:] = 0, 0  # masked tail as the attention passes it: code 0, scale 0
+    rows = decode_rows(tier, c, s, n).astype(np.float64)
+    q = rng.standard_normal((B, M, n)).astype(np.float32)
+    p = rng.random((B, M, T)).astype(np.float32)
+    got_s = consumers.scores(tier, q, c, s)
+    got_c = consumers.context(tier, p, c, s, n)
+    assert got_s.shape == (B, M, T) and got_c.shape == (B, M, n)
+    assert rel_err(got_s, np.einsum("bmn,btn->bmt", q, rows)) < 1e-5
+    assert rel_err(got_c, np.einsum("bmt,btn->bmn", p, rows)) < 1e-5
+    assert np.all(got_s[1, :, 40:] == 0)
+
+
+@pytest.mark.parametrize("name", ["kv8", "tq4"])
+def test_fp8_and_tq4_never_decode_rows(name, monkeypatch):
+    """The native paths read codes through the tables only: decoding a row is an error."""
+    def boom(*a, **k):
+        raise AssertionError("a native consumer decoded rows")
+    for mod, fn in [(fp8, "decode"), (tq4, "decode"), (tq4, "decode_rotated"), (polar, "decode"),
+                    (polar, "decode_rotated")]:
+        monkeypatch.setattr(mod, fn, boom)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    c, s = encode_rows(name, x)
+    before = consumers.rebuild_count()
+    consumers.scores(get_tier(name), x[:2], c, s)
+    consumers.context(get_tier(name), np.ones((2, 64), np.float32), c, s, 256)
+    assert consumers.rebuild_count() == before
+
+
+def test_polar_rebuilds_are_counted():
+    rng = np.random.default_rng(2)
+    tier = get_tier("polar3")
+    x = rng.standard_normal((2, 30, 64)).astype(np.float32)
+    c, s = encode_rows(tier, x)
+    before = consumers.rebuild_count()
+    consumers.scores(tier, rng.standard_normal((2, 5, 64)).astype(np.float32), c, s)
+    assert consumers.rebuild_count() == before + 60
+    consumers.context(tier, rng.random((2, 5, 30)).astype(np.float32), c, s, 64)
+    assert consumers.rebuild_count() == before + 120
+
+
+def test_inert_width_and_bad_radius_read_as_zero():
+    tier = get_tier("tq4")
+    c = np.full((5, 3), 0xAB, np.uint8)  # width 6 is not a power of two: inert
+    s = np.ones(5, np.float32)
+    assert np.all(consumers.scores(tier, np.ones((2, 6), np.float32), c, s) == 0)
+    assert np.all(consumers.context(tier, np.ones((2, 5), np.float32), c, s, 6) == 0)
+    rng = np.random.default_rng(3)
+    c, s = encode_rows(tier, rng.standard_normal((4, 32)).astype(np.float32))
+    s[:] = [np.nan, np.inf, -1.0, 0.0]
+    for name in ("tq4", "polar4"):
+        cc, _ = encode_rows(name, rng.standard_normal((4, 32)).astype(np.float32))
+        assert np.all(consumers.scores(get_tier(name), np.ones((1, 32), np.float32), cc, s) == 0)
+        assert np.all(consumers.context(get_tier(name), np.ones((1, 4), np.float32), cc, s, 32) == 0)
