@@ -1,0 +1,147 @@
+"""`kvfleet plan`: what each device of a fleet holds (dense, KV, shadow, pinned experts).
+
+    kvfleet plan --config configs/fleets/h200x2.yaml [--model-config FILE] [--json]
+    kvfleet plan --model-config configs/models/glm-5.2.json --ctx 262144 [--slots N] [--kv kv8] --json
+
+Without a fleet file it prints the KV pool of `slots` slots at `ctx` tokens for the chosen
+tier and, for comparison, every tier.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cluster.cli import UsageError
+from cluster.fleet import Fleet, FleetError, device_budgets
+from cluster.footprint import WEIGHT_FORMATS, Footprint
+from cluster.memory_probe import ProbeError, free_bytes
+from cluster.planner import GB, PlanError, plan
+from kernels.tiers import TIERS
+from workers.config import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan memory per device: dense weights, KV pool, shadow, pinned experts",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, help="fleet YAML (nodes, devices, memory)")
+    p.add_argument("--model-config", type=Path, help="model config.json (default: the fleet's `model`)")
+    p.add_argument("--ctx", type=int, help="context tokens per slot (default: the fleet's plan.ctx)")
+    p.add_argument("--slots", type=int, help="slots per device (overrides every node's `slots`)")
+    p.add_argument("--kv", choices=sorted(TIERS), help="KV tier (default: the fleet's plan.kv, else f32)")
+    p.add_argument("--experts", choices=sorted(WEIGHT_FORMATS), help="routed expert weight format")
+    p.add_argument("--usage", type=Path, help="expert usage counts [MoE layers, experts] (.npy or .json)")
+    p.add_argument("--free-gb", action="append", default=[], metavar="DEVICE=GB",
+                   help="free memory of an 'auto' device instead of measuring it (repeatable)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, v: int | None) -> None:
+    if v is not None and v < 1:
+        raise UsageError(f"{name} must be >= 1, got {v}")
+
+
+def _footprint(path: Path | None) -> Footprint:
+    if path is None:
+        raise UsageError("no model: pass --model-config FILE or set `model:` in the fleet file")
+    try:
+        return Footprint.from_file(path)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def _usage(path: Path | None) -> np.ndarray | None:
+    if path is None:
+        return None
+    try:
+        return np.load(path) if path.suffix == ".npy" else np.asarray(json.loads(path.read_text()), dtype=np.float64)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--usage {path}: cannot read expert usage counts ({e})") from None
+
+
+def _free(specs: list[str]) -> dict[str, int]:
+    out = {}
+    for s in specs:
+        name, _, val = s.partition("=")
+        try:
+            out[name] = round(float(val) * GB)
+        except ValueError:
+            raise UsageError(f"--free-gb {s!r}: expected DEVICE=GB, e.g. node/cuda0=120") from None
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    _positive("--ctx", args.ctx)
+    _positive("--slots", args.slots)
+    if args.config is None:
+        return _pool_only(args)
+    try:
+        fleet = Fleet.from_file(args.config)
+        fp = _footprint(args.model_config or fleet.model_path())
+        d = fleet.plan
+        free = _free(args.free_gb)
+        budgets = device_budgets(fleet, lambda spec: free[spec.name] if spec.name in free else free_bytes(spec),
+                                 slots=args.slots)
+        p = plan(fp, budgets, tier=args.kv or d.kv, ctx=args.ctx or d.ctx, experts=args.experts or d.experts,
+                 usage=_usage(args.usage), shadow_floor_bytes=round(d.shadow_floor_gb * GB))
+    except (FleetError, PlanError, ProbeError) as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(p.to_dict(), indent=2))
+    else:
+        print(_table(p.to_dict()))
+    return 0
+
+
+def _pool_only(args: argparse.Namespace) -> int:
+    if args.model_config is None or args.ctx is None:
+        raise UsageError("without --config, pass --model-config FILE and --ctx N")
+    fp = _footprint(args.model_config)
+    slots, tier = args.slots or 1, args.kv or "f32"
+    out = {
+        "model": str(args.model_config), "model_type": fp.config.model_type, "tier": tier, "ctx": args.ctx,
+        "slots": slots, "cached_layers": fp.cached_layers,
+        "kv_token_bytes": fp.kv_token_bytes(tier), "kv_bytes_per_token": fp.kv_bytes_per_token(tier),
+        "kv_pool_bytes": fp.kv_pool_bytes(tier, slots, args.ctx),
+        "indexer_layers": len(fp.indexer_layers), "index_bytes_per_token": fp.index_bytes_per_token,
+        "index_pool_bytes": fp.index_pool_bytes(slots, args.ctx),
+        "dense_bytes": fp.dense_bytes, "routed_experts": fp.routed_experts,
+        "tiers": {t: {"kv_bytes_per_token": fp.kv_bytes_per_token(t), "kv_pool_bytes": fp.kv_pool_bytes(t, slots, args.ctx)}
+                  for t in TIERS},
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{out['model_type']} ({out['model']}): {fp.cached_layers} cached layers, {slots} slot(s) x {args.ctx} tokens")
+    print(f"{'tier':<8} {'bytes/token':>12} {'KV pool':>12}")
+    for t, v in out["tiers"].items():
+        mark = " <" if t == tier else ""
+        print(f"{t:<8} {v['kv_bytes_per_token']:>12} {v['kv_pool_bytes'] / GB:>9.1f} GB{mark}")
+    print(f"DSA indexer: {out['indexer_layers']} layers, {out['index_bytes_per_token']} B/token, "
+          f"{out['index_pool_bytes'] / GB:.1f} GB (not in the KV pool)")
+    return 0
+
+
+def _table(d: dict) -> str:
+    g = lambda n: f"{n / GB:.2f}"  # noqa: E731
+    lines = [
+        f"model {d['model_type']} ({d['model']}): {d['cached_layers']} cached layers, "
+        f"{d['moe_layers']} MoE layers, {d['routed_experts']} routed experts of {d['expert_bytes'] / 1e6:.1f} MB "
+        f"({d['expert_format']})",
+        f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token + indexer "
+        f"{d['index_bytes_per_token']} B/token; sizes in GB (1e9 bytes)",
+        f"{'device':<22}{'kind':<6}{'slots':>5}{'budget':>9}{'dense':>8}{'kv':>8}{'index':>7}{'shadow':>7}"
+        f"{'pinned':>8}{'pin GB':>8}{'free':>8}  max ctx (f32/kv8/tq4)",
+    ]
+    for v in d["devices"]:
+        ctxs = "/".join(str(v["max_ctx"].get(t, "-")) for t in ("f32", "kv8", "tq4"))
+        lines.append(
+            f"{v['name']:<22}{v['kind']:<6}{v['slots']:>5}{g(v['budget_bytes']):>9}{g(v['dense_bytes']):>8}"
+            f"{g(v['kv_pool_bytes']):>8}{g(v['index_bytes']):>7}{g(v['shadow_bytes']):>7}"
+            f"{v['pinned_experts']:>8}{g(v['pinned_expert_bytes']):>8}{g(v['free_bytes']):>8}  {ctxs}")
+    lines.append(f"experts: {d['pinned_experts']} of {d['routed_experts']} pinned on devices, "
+                 f"{d['host_experts']} served from host memory")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""The fleet config: which machines there are, what memory each device may use.
+
+    # configs/fleets/h200x2.yaml
+    model: ../models/glm-5.2.json      # optional; relative to this file
+    plan: {ctx: 131072, kv: kv8, experts: int4}
+    nodes:
+      - name: h200-box
+        kind: cuda                     # cuda | cpu | metal
+        devices: 2                     # GPUs (cpu: memory domains; metal: 1)
+        memory: 141                    # GB (1e9 bytes) per device, or "auto" (free memory)
+        reserve_gb: 4                  # kept back per device (CUDA context, activations)
+        slots: 2                       # KV slots per device
+        resources: {h200: 2}           # extra Ray custom resources (optional)
+        labels: {zone: a}              # Ray node labels (optional)
+
+Errors name the file and the field path: "fleet.yaml: nodes.1.memory: ...".
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from cluster.footprint import WEIGHT_FORMATS
+from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
+from kernels.tiers import TIERS
+
+
+class FleetError(ValueError):
+    """A fleet file that cannot be used: names the file, the field path and the value."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Node(_Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    kind: Literal["cuda", "cpu", "metal"]
+    devices: int = Field(1, ge=1)
+    memory: float | Literal["auto"]
+    reserve_gb: float = Field(2.0, ge=0)
+    slots: int = Field(1, ge=1)
+    resources: dict[str, float] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a positive size in GB or 'auto', got {v!r}")
+        return float(v)
+
+    @model_validator(mode="after")
+    def _fits(self) -> "Node":
+        if self.memory != "auto" and self.reserve_gb >= self.memory:
+            raise ValueError(f"reserve_gb={self.reserve_gb} leaves nothing of memory={self.memory} GB")
+        if self.kind == "metal" and self.devices != 1:
+            raise ValueError(f"a metal node has one unified memory, devices={self.devices} must be 1")
+        return self
+
+
+class PlanDefaults(_Frozen):
+    """Planning knobs a fleet file may set; `kvfleet plan` flags override them."""
+    ctx: int = Field(32768, ge=1)
+    kv: str = "f32"
+    experts: str = "bf16"
+    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0)
+
+    @field_validator("kv")
+    @classmethod
+    def _tier(cls, v: str) -> str:
+        if v not in TIERS:
+            raise ValueError(f"unknown KV tier {v!r}; choose one of {sorted(TIERS)}")
+        return v
+
+    @field_validator("experts")
+    @classmethod
+    def _fmt(cls, v: str) -> str:
+        if v not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown expert format {v!r}; choose one of {sorted(WEIGHT_FORMATS)}")
+        return v
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    node: Node
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.node.name}/{self.node.kind}{self.index}"
+
+
+class Fleet(_Frozen):
+    model: str | None = None
+    plan: PlanDefaults = Field(default_factory=PlanDefaults)
+    nodes: list[Node] = Field(min_length=1)
+    _source: str = PrivateAttr("<dict>")
+
+    @model_validator(mode="after")
+    def _unique(self) -> "Fleet":
+        names = [n.name for n in self.nodes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"node names must be unique, repeated: {dup}")
+        return self
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def model_path(self) -> Path | None:
+        """`model` resolved against the fleet file's folder."""
+        if self.model is None:
+            return None
+        p = Path(self.model)
+        return p if p.is_absolute() or self._source == "<dict>" else Path(self._source).parent / p
+
+    def devices(self) -> list[DeviceSpec]:
+        return [DeviceSpec(n, i) for n in self.nodes for i in range(n.devices)]
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "Fleet":
+        if not isinstance(data, dict):
+            raise FleetError(f"{source}: expected a mapping with 'nodes', got {type(data).__name__}")
+        try:
+            fleet = cls.model_validate(data)
+        except ValidationError as e:
+            raise FleetError("\n".join(_describe(source, err) for err in e.errors())) from None
+        fleet._source = source
+        return fleet
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Fleet":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise FleetError(f"{path}: no such fleet file") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise FleetError(f"{path}: not valid YAML: {e}") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _describe(source: str, err: dict) -> str:
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    msg = re.sub(r"^Value error, ", "", err["msg"])
+    got = "" if err["type"] in ("value_error", "missing") else f" (got {err.get('input')!r:.60})"
+    return f"{source}: {loc}: {msg}{got}"
+
+
+def device_budgets(fleet: Fleet, free_bytes: Mapping[str, int] | Callable[[DeviceSpec], int] | None = None,
+                   slots: int | None = None) -> list[DeviceBudget]:
+    """The planner's view of every device. free_bytes: free memory of "auto" devices, by
+    device name or as a function (tests pass numbers; runs pass cluster.memory_probe.free_bytes)."""
+    out = []
+    for spec in fleet.devices():
+        node = spec.node
+        if node.memory == "auto":
+            if free_bytes is None:
+                raise FleetError(f"{fleet.source}: node {node.name} has memory 'auto' but no free "
+                                 "memory was measured for it; give memory in GB")
+            mem = free_bytes(spec) if callable(free_bytes) else free_bytes.get(spec.name)
+            if mem is None:
+                raise FleetError(f"{fleet.source}: no free memory given for device {spec.name} (memory 'auto')")
+        else:
+            mem = round(node.memory * GB)
+        out.append(DeviceBudget(spec.name, node.kind, int(mem), round(node.reserve_gb * GB),
+                                slots or node.slots, auto=node.memory == "auto"))
+    return out

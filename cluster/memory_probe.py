@@ -1,0 +1,52 @@
+"""Free memory of a device on this machine, for fleet nodes whose memory is "auto".
+
+cuda: cudaMemGetInfo through CuPy, else `nvidia-smi --query-gpu=memory.free`.
+cpu / metal: available host memory (psutil when installed, else /proc/meminfo on Linux);
+a Mac's GPU shares that memory. Runs on the node itself (a Ray task there, or locally).
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from cluster.fleet import DeviceSpec
+
+
+class ProbeError(RuntimeError):
+    """Free memory could not be read: says which device and what was tried."""
+
+
+def free_bytes(spec: DeviceSpec) -> int:
+    if spec.node.kind == "cuda":
+        return _cuda_free(spec.index)
+    return host_available()
+
+
+def _cuda_free(index: int) -> int:
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy
+        with cupy.cuda.Device(index):
+            return int(cupy.cuda.runtime.memGetInfo()[0])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        raise ProbeError(f"cuda device {index}: neither cupy nor nvidia-smi is available to read free memory")
+    out = subprocess.run([smi, f"--id={index}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0 or not out.stdout.strip().isdigit():
+        raise ProbeError(f"cuda device {index}: nvidia-smi failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
+    return int(out.stdout.strip()) * 2**20  # MiB
+
+
+def host_available() -> int:
+    if importlib.util.find_spec("psutil") is not None:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    meminfo = Path("/proc/meminfo")
+    if sys.platform.startswith("linux") and meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ProbeError("host memory: psutil is not installed and /proc/meminfo has no MemAvailable")

@@ -1,0 +1,245 @@
+"""The budget planner: what each device holds, and which routed experts it pins.
+
+Every device (one Ray worker) holds the dense weights, the KV pool of its slots, the DSA
+indexer rows of those slots, an fp8 shadow (CUDA only, see below) and as many routed
+experts as still fit; experts no device pins are served from host memory. Bytes are exact
+integers; "GB" in configs and output means 1e9 bytes (the C engine's table does the same).
+
+    capacity = memory - reserve        (memory = the device's size, or its free memory for "auto")
+    used     = dense + kv_pool + index + shadow + pinned experts  <=  capacity
+
+So an "auto" device gets free memory minus the reserve minus the shadow projection for its
+pinned experts, as the design asks.
+
+Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
+disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
+row of every slot: slots x ctx x cached layers x kv8 token bytes. A CUDA device smaller
+than SHADOW_FLOOR_GB gets none: on a 24 GB card the shadow of a single 128k GLM-5 slot
+(6 GB) is a quarter of memory, better spent on the pool and pinned experts; such a device
+uploads host rows straight into its pool. CPU and Metal devices read host memory directly.
+
+Experts are placed by `assign_experts` (also the runtime's expert-parallel split): most
+used first (or spread evenly over the MoE layers when no counts are given), each into the
+worker with the biggest free budget.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from cluster.footprint import Footprint, WeightFormat, get_format
+from kernels.tiers import Tier, get_tier
+
+GB = 10**9
+SHADOW_FLOOR_GB = 32.0
+SHADOW_TIER = "kv8"
+BLOCK = 16  # pool block size: the longest context is reported in whole blocks
+KINDS = ("cuda", "cpu", "metal")
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made: names the device, what it needs and its budget."""
+
+
+def gb(n: int) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """One device as the planner sees it. memory_bytes: its size, or its free memory when auto."""
+    name: str
+    kind: str
+    memory_bytes: int
+    reserve_bytes: int = 0
+    slots: int = 1
+    auto: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise PlanError(f"device {self.name}: kind={self.kind!r} must be one of {KINDS}")
+        if self.slots < 1 or self.memory_bytes < 0 or self.reserve_bytes < 0:
+            raise PlanError(f"device {self.name}: slots={self.slots}, memory={self.memory_bytes}, "
+                            f"reserve={self.reserve_bytes} must be >= 1, >= 0, >= 0")
+
+    @property
+    def capacity(self) -> int:
+        return self.memory_bytes - self.reserve_bytes
+
+    def has_shadow(self, floor_bytes: int) -> bool:
+        return self.kind == "cuda" and self.memory_bytes >= floor_bytes
+
+
+@dataclass(frozen=True)
+class ExpertAssignment:
+    """Each routed expert (layer, expert) -> exactly one worker; `pinned` = fits its budget."""
+    experts: np.ndarray  # [N, 2] int32 (layer, expert), in placement order
+    owner: np.ndarray    # [N] int32 worker index
+    pinned: np.ndarray   # [N] bool
+
+    def shard(self, worker: int, pinned_only: bool = False) -> np.ndarray:
+        keep = self.owner == worker
+        if pinned_only:
+            keep &= self.pinned
+        return self.experts[keep]
+
+
+def expert_order(moe_layers: Sequence[int], n_experts: int, usage: np.ndarray | None = None) -> np.ndarray:
+    """All (layer, expert) pairs, most used first. usage: [len(moe_layers), n_experts] counts.
+
+    Without usage (and among equal counts) the order is round-robin over layers: expert 0 of
+    every MoE layer, then expert 1, ..., so any prefix is spread evenly across layers.
+    """
+    layers = np.asarray(moe_layers, dtype=np.int32)
+    n_l = len(layers)
+    li, ei = np.meshgrid(np.arange(n_l), np.arange(n_experts), indexing="ij")  # [n_l, E]
+    spread = (ei * n_l + li).ravel()
+    if usage is None:
+        order = np.argsort(spread, kind="stable")
+    else:
+        usage = np.asarray(usage, dtype=np.float64)
+        if usage.shape != (n_l, n_experts) or not np.isfinite(usage).all():
+            raise PlanError(f"expert usage must be finite counts of shape {(n_l, n_experts)} "
+                            f"(MoE layers x routed experts), got shape {usage.shape}")
+        order = np.lexsort((spread, -usage.ravel()))
+    return np.stack([layers[li.ravel()[order]], ei.ravel()[order].astype(np.int32)], axis=1)
+
+
+def assign_experts(capacities: Sequence[int], expert_bytes: int, experts: np.ndarray) -> ExpertAssignment:
+    """Give every expert, in the given order, to the worker with the most free bytes left.
+
+    An expert is pinned when that worker still has `expert_bytes` free; once none has, the
+    rest keep going to the emptiest worker (its budget goes negative: it serves them from
+    host memory), so every expert has exactly one owner. Ties go to the lower worker index.
+    """
+    if expert_bytes <= 0 or not len(capacities):
+        raise PlanError(f"need expert_bytes > 0 and at least one worker, got {expert_bytes=}, "
+                        f"{len(capacities)} workers")
+    heap = [(-int(c), w) for w, c in enumerate(capacities)]
+    heapq.heapify(heap)
+    n = len(experts)
+    owner, pinned = np.empty(n, np.int32), np.zeros(n, bool)
+    for i in range(n):  # O(N log W): tens of thousands of experts, a few ms
+        neg, w = heap[0]
+        owner[i], pinned[i] = w, -neg >= expert_bytes
+        heapq.heapreplace(heap, (neg + expert_bytes, w))
+    return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, pinned)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: DeviceBudget
+    ctx: int
+    dense_bytes: int
+    kv_pool_bytes: int
+    index_bytes: int
+    shadow_bytes: int
+    pinned: np.ndarray = field(repr=False)  # [n, 2] (layer, expert)
+    pinned_bytes: int
+    host_experts: int  # routed experts no device pins (served from host memory)
+    max_ctx: dict[str, int]
+
+    @property
+    def used_bytes(self) -> int:
+        return self.dense_bytes + self.kv_pool_bytes + self.index_bytes + self.shadow_bytes + self.pinned_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.device.capacity - self.used_bytes
+
+    def to_dict(self, layers: Sequence[int]) -> dict:
+        d = self.device
+        per_layer = np.zeros(len(layers), np.int64)
+        if len(self.pinned):
+            idx = np.searchsorted(np.asarray(layers), self.pinned[:, 0])
+            per_layer = np.bincount(idx, minlength=len(layers))
+        return {
+            "name": d.name, "kind": d.kind, "auto": d.auto, "memory_bytes": d.memory_bytes,
+            "reserve_bytes": d.reserve_bytes, "budget_bytes": d.capacity, "slots": d.slots,
+            "ctx": self.ctx, "dense_bytes": self.dense_bytes, "kv_pool_bytes": self.kv_pool_bytes,
+            "index_bytes": self.index_bytes, "shadow_bytes": self.shadow_bytes,
+            "pinned_experts": int(len(self.pinned)), "pinned_expert_bytes": self.pinned_bytes,
+            "pinned_per_layer": {int(l): int(c) for l, c in zip(layers, per_layer)},
+            "host_experts": self.host_experts, "free_bytes": self.free_bytes,
+            "max_ctx": dict(self.max_ctx),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    footprint: Footprint
+    tier: Tier
+    ctx: int
+    expert_format: WeightFormat
+    expert_bytes: int
+    devices: tuple[DevicePlan, ...]
+    host: np.ndarray = field(repr=False)  # [n, 2] experts pinned nowhere
+
+    def to_dict(self) -> dict:
+        fp, layers = self.footprint, self.footprint.moe_layers
+        return {
+            "model": fp.config.source, "model_type": fp.config.model_type, "tier": self.tier.name,
+            "ctx": self.ctx, "expert_format": self.expert_format.name, "expert_bytes": self.expert_bytes,
+            "cached_layers": fp.cached_layers, "moe_layers": len(layers),
+            "routed_experts": fp.routed_experts,
+            "pinned_experts": int(sum(len(d.pinned) for d in self.devices)),
+            "host_experts": int(len(self.host)),
+            "kv_bytes_per_token": fp.kv_bytes_per_token(self.tier),
+            "index_bytes_per_token": fp.index_bytes_per_token,
+            "devices": [d.to_dict(layers) for d in self.devices],
+        }
+
+
+def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int) -> tuple[int, int, int]:
+    """(kv, index, shadow) bytes per context token on this device, all its slots."""
+    shadow = fp.kv_bytes_per_token(SHADOW_TIER) if dev.has_shadow(floor) else 0
+    return (dev.slots * fp.kv_bytes_per_token(tier), dev.slots * fp.index_bytes_per_token,
+            dev.slots * shadow)
+
+
+def max_context(fp: Footprint, dev: DeviceBudget, tier: str | Tier,
+                shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB)) -> int:
+    """Longest context (whole blocks) every slot of `dev` could have under `tier`, no experts pinned."""
+    room = dev.capacity - fp.dense_bytes
+    per = sum(_per_token(fp, dev, get_tier(tier), shadow_floor_bytes))
+    return 0 if room <= 0 else (room // per) // BLOCK * BLOCK
+
+
+def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ctx: int,
+         experts: str | WeightFormat = "bf16", usage: np.ndarray | None = None,
+         shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB),
+         report_tiers: Sequence[str] = ("f32", "kv8", "tq4")) -> Plan:
+    """Plan every device; raise PlanError when a device cannot hold its dense weights and KV."""
+    tier, fmt = get_tier(tier), get_format(experts)
+    if ctx < 1 or not devices:
+        raise PlanError(f"need ctx >= 1 and at least one device, got {ctx=}, {len(devices)} devices")
+    if len({d.name for d in devices}) != len(devices):
+        raise PlanError(f"device names must be unique: {[d.name for d in devices]}")
+    dense, eb = fp.dense_bytes, fp.expert_bytes(fmt)
+    fixed, rooms = [], []
+    for dev in devices:
+        kv, idx, sh = (ctx * b for b in _per_token(fp, dev, tier, shadow_floor_bytes))
+        if dense > dev.capacity:
+            raise PlanError(f"device {dev.name}: dense weights need {gb(dense)} but its budget is "
+                            f"{gb(dev.capacity)} ({gb(dev.memory_bytes)} - reserve {gb(dev.reserve_bytes)})")
+        if dense + kv + idx + sh > dev.capacity:
+            longest = {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers}
+            raise PlanError(
+                f"device {dev.name}: dense weights {gb(dense)} + {tier.name} KV pool {gb(kv)} + indexer "
+                f"{gb(idx)} + shadow {gb(sh)} for {dev.slots} slot(s) x {ctx} tokens exceed its budget "
+                f"{gb(dev.capacity)}; longest context per tier: {longest}")
+        fixed.append((kv, idx, sh))
+        rooms.append(dev.capacity - dense - kv - idx - sh)
+    order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
+    a = assign_experts(rooms, eb, order)
+    host = a.experts[~a.pinned]
+    plans = tuple(
+        DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
+                   int((a.pinned & (a.owner == w)).sum()) * eb, len(host),
+                   {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers})
+        for w, (dev, (kv, idx, sh)) in enumerate(zip(devices, fixed)))
+    return Plan(fp, tier, ctx, fmt, eb, plans, host)
+

@@ -1,0 +1,111 @@
+"""Fleet YAML: the shipped examples load; bad files fail naming the file and field path;
+`kvfleet plan --config` prints the plan."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.cli import main
+from cluster.fleet import Fleet, FleetError, device_budgets
+from cluster.planner import GB
+
+FLEETS = Path(__file__).resolve().parents[2] / "configs" / "fleets"
+
+
+def write(tmp_path: Path, text: str, name: str = "fleet.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_examples_load():
+    h = Fleet.from_file(FLEETS / "h200x2.yaml")
+    assert [d.name for d in h.devices()] == ["h200-box/cuda0", "h200-box/cuda1"]
+    assert h.model_path().resolve() == (FLEETS.parent / "models" / "glm-5.2.json").resolve()
+    assert (h.plan.ctx, h.plan.kv, h.plan.experts) == (131072, "kv8", "int4")
+    m = Fleet.from_file(FLEETS / "mixed.yaml")
+    assert {n.kind for n in m.nodes} == {"cuda", "cpu", "metal"}
+    assert m.nodes[0].resources == {"cuda": 4.0} and m.nodes[2].labels == {"tier": "mac"}
+    b = device_budgets(m)
+    assert len(b) == 6 and b[0].memory_bytes == 80 * GB and b[0].reserve_bytes == 4 * GB and b[4].slots == 4
+    assert Fleet.from_file(FLEETS / "local-auto.yaml").nodes[0].memory == "auto"
+
+
+@pytest.mark.parametrize("body, where", [
+    ("nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: b, kind: cpu, memory: lots}\n",
+     "fleet.yaml: nodes.1.memory: must be a positive size in GB or 'auto', got 'lots'"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: -3}\n", "nodes.0.memory: must be a positive size"),
+    ("nodes:\n  - {name: a, kind: tpu, memory: 80}\n", "fleet.yaml: nodes.0.kind: Input should be 'cuda', 'cpu' or 'metal' (got 'tpu')"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 80, gpus: 2}\n", "fleet.yaml: nodes.0.gpus: Extra inputs are not permitted"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 8, reserve_gb: 9}\n", "fleet.yaml: nodes.0: reserve_gb=9.0 leaves nothing of memory=8.0 GB"),
+    ("nodes:\n  - {name: a, kind: metal, devices: 2, memory: 64}\n", "nodes.0: a metal node has one unified memory"),
+    ("nodes:\n  - {name: a, kind: cuda, devices: 0, memory: 80}\n", "nodes.0.devices: Input should be greater than or equal to 1"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: a, kind: cpu, memory: 9}\n", "node names must be unique, repeated: ['a']"),
+    ("plan: {kv: kv9}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n", "fleet.yaml: plan.kv: unknown KV tier 'kv9'"),
+    ("plan: {experts: int3}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n", "fleet.yaml: plan.experts: unknown expert format 'int3'"),
+    ("nodes: []\n", "fleet.yaml: nodes: List should have at least 1 item"),
+    ("nodes:\n  - {name: 'a b', kind: cuda, memory: 80}\n", "fleet.yaml: nodes.0.name: String should match pattern"),
+    ("- just a list\n", "fleet.yaml: expected a mapping with 'nodes', got list"),
+    ("nodes: [\n", "fleet.yaml: not valid YAML"),
+])
+def test_errors_name_file_and_field(tmp_path, body, where):
+    with pytest.raises(FleetError) as e:
+        Fleet.from_file(write(tmp_path, body))
+    assert where in str(e.value).replace(str(tmp_path) + "/", "")
+
+
+def test_missing_file_and_frozen(tmp_path):
+    with pytest.raises(FleetError, match="no such fleet file"):
+        Fleet.from_file(tmp_path / "nope.yaml")
+    f = Fleet.from_file(FLEETS / "h200x2.yaml")
+    with pytest.raises(ValidationError, match="frozen"):
+        f.nodes[0].memory = 80.0
+
+
+def test_auto_memory_needs_a_measurement(tmp_path):
+    f = Fleet.from_file(write(tmp_path, "nodes:\n  - {name: box, kind: cuda, devices: 2, memory: auto, reserve_gb: 1.5}\n"))
+    with pytest.raises(FleetError, match="no free memory given for device box/cuda1"):
+        device_budgets(f, {"box/cuda0": 70 * GB})
+    b = device_budgets(f, {"box/cuda0": 70 * GB, "box/cuda1": 60 * GB})
+    assert [(d.memory_bytes, d.capacity, d.auto) for d in b] == [(70 * GB, 68.5 * GB, True), (60 * GB, 58.5 * GB, True)]
+    assert [d.memory_bytes for d in device_budgets(f, lambda spec: (spec.index + 1) * GB)] == [GB, 2 * GB]
+    with pytest.raises(FleetError, match="memory 'auto' but no free memory"):
+        device_budgets(f)
+
+
+# --- kvfleet plan --config ---------------------------------------------------------------
+
+def test_cli_plan_fleet_json_and_table(capsys):
+    assert main(["plan", "--config", str(FLEETS / "h200x2.yaml"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [x["pinned_experts"] for x in d["devices"]] == [4033, 4033] and d["host_experts"] == 11390
+    assert d["devices"][0]["kv_pool_bytes"] == 131072 * 79 * 584
+    assert sum(d["devices"][0]["pinned_per_layer"].values()) == 4033
+    assert main(["plan", "--config", str(FLEETS / "mixed.yaml")]) == 0
+    out = capsys.readouterr().out
+    for name in ("gpu-box/cuda3", "ram-host/cpu0", "mac-studio/metal0", "served from host memory"):
+        assert name in out
+
+
+def test_cli_plan_auto_and_errors(tmp_path, capsys):
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cuda, memory: auto, reserve_gb: 2}\n")
+    card = FLEETS.parent / "models" / "deepseek-v3.json"
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cuda0=78",
+                 "--ctx", "4096", "--kv", "tq4", "--experts", "fp8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["auto"] and d["budget_bytes"] == 76 * GB and d["free_bytes"] >= 0
+    # errors are user errors (exit 2) that name the problem
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cuda0=20"]) == 2
+    assert "device box/cuda0: dense weights need" in capsys.readouterr().err
+    assert main(["plan", "--config", str(fleet)]) == 2
+    assert "no model" in capsys.readouterr().err
+    assert main(["plan", "--model-config", str(card)]) == 2
+    assert "--ctx" in capsys.readouterr().err
+    assert main(["plan", "--model-config", str(tmp_path / "none.json"), "--ctx", "8"]) == 2
+    assert "none.json" in capsys.readouterr().err
+    bad = write(tmp_path, "nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: b, kind: cpu, memory: lots}\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    assert "nodes.1.memory" in capsys.readouterr().err

@@ -1,0 +1,232 @@
+"""Planner: byte counts against published checkpoints, the C engine's KV table, expert
+placement on a 2 x 141 GB node, and a property test over random fleets."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.cli import main
+from cluster.footprint import WEIGHT_FORMATS, Footprint
+from cluster.planner import (BLOCK, GB, DeviceBudget, PlanError, assign_experts, expert_order,
+                             max_context, plan)
+
+CARDS = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def card(name: str) -> Footprint:
+    return Footprint.from_file(CARDS / f"{name}.json")
+
+
+# --- the C engine's planning table -----------------------------------------------------
+
+def test_glm52_kv_table_matches_c_engine():
+    fp = card("glm-5.2")
+    assert fp.cached_layers == 79  # 78 layers + 1 MTP
+    want = {"f32": (2304, 47_714_402_304, 47.7), "kv8": (584, 12_094_275_584, 12.1),
+            "tq4": (296, 6_129_975_296, 6.1)}
+    for tier, (tok, pool, shown) in want.items():
+        assert fp.kv_token_bytes(tier) == tok
+        assert fp.kv_pool_bytes(tier, 1, 262_144) == tok * 79 * 262_144 == pool
+        assert round(pool / 1e9, 1) == shown
+
+
+def test_cli_pool_json_reproduces_table(capsys):
+    for tier, pool in (("f32", 47_714_402_304), ("kv8", 12_094_275_584), ("tq4", 6_129_975_296)):
+        assert main(["plan", "--model-config", str(CARDS / "glm-5.2.json"), "--ctx", "262144",
+                     "--kv", tier, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["kv_pool_bytes"] == pool and out["cached_layers"] == 79
+        assert out["kv_bytes_per_token"] == pool // 262_144
+        assert out["tiers"][tier]["kv_pool_bytes"] == pool
+    assert main(["plan", "--model-config", str(CARDS / "glm-5.2.json"), "--ctx", "1000", "--slots", "3",
+                 "--kv", "kv8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_pool_bytes"] == 3 * 1000 * 79 * 584
+    assert out["index_pool_bytes"] == 3 * 1000 * 22 * 128 * 4
+
+
+# --- weight bytes against published checkpoints ----------------------------------------
+
+def test_weights_match_published_checkpoints():
+    # GLM-5.1 weight listing: 753,864,139,008 parameters.
+    assert card("glm-5.1").param_count() == 753_864_139_008
+    # GLM-5.2 checkpoint: 1,506,659,919,872 tensor bytes (bf16, router bias f32).
+    g52 = card("glm-5.2")
+    assert g52.dense_bytes + g52.routed_experts * g52.expert_bytes("bf16") == 1_506_659_919_872
+    # Kimi-K2-Instruct: 1,026,408,232,448 parameters.
+    assert card("kimi-k2").param_count() == 1_026_408_232_448
+    # DeepSeek-V3/R1 listing: 684,531,386,000 stored elements = weights + fp8 block scales
+    # (41,540,496) + the MTP layer's stored copies of embed_tokens and lm_head.
+    ds = card("deepseek-v3")
+    assert ds.param_count() + 41_540_496 + 2 * 129_280 * 7168 == 684_531_386_000
+
+
+def test_expert_formats():
+    fp = card("glm-5.2")  # gate/up [2048, 6144], down [6144, 2048]
+    n = 3 * 2048 * 6144
+    assert fp.expert_bytes("bf16") == 2 * n
+    assert fp.expert_bytes("fp8") == n + 3 * (16 * 48) * 4  # one f32 per 128x128 block
+    assert fp.expert_bytes("int4") == n // 2 + (2 * 2048 * 192 + 6144 * 64) * 2  # bf16 per 32 inputs
+    assert WEIGHT_FORMATS["int4"].matrix_bytes(7, 34) == 7 * 34 // 2 + 7 * 2 * 2  # 2 groups per row
+    with pytest.raises(ValueError, match="whole bytes"):
+        WEIGHT_FORMATS["int4"].matrix_bytes(7, 33)
+    with pytest.raises(ValueError, match="int8"):
+        fp.expert_bytes("int8")
+
+
+def test_indexer_layers_follow_indexshare():
+    g52 = card("glm-5.2")
+    want = (0, 1, 2, *range(6, 78, 4), 78)
+    assert g52.indexer_layers == want and len(want) == 22
+    raw = json.loads((CARDS / "glm-5.2.json").read_text())
+    del raw["indexer_types"]  # the index_topk_freq / index_skip_topk_offset rule gives the same
+    assert Footprint.from_dict(raw).indexer_layers == want
+    assert card("glm-5.1").indexer_layers == tuple(range(79))
+    assert card("deepseek-v3").indexer_layers == () and card("deepseek-v3").index_bytes_per_token == 0
+    raw["indexer_types"] = ["full"] * 5
+    with pytest.raises(ValueError, match="indexer_types"):
+        Footprint.from_dict(raw, source="bad.json")
+
+
+# --- GLM-5.2 on one node with two 141 GB H200s -----------------------------------------
+
+def test_two_h200_glm52_int4_pins(capsys):
+    fp = card("glm-5.2")
+    devs = [DeviceBudget(f"h200/cuda{i}", "cuda", 141 * GB, 4 * GB, slots=1) for i in range(2)]
+    p = plan(fp, devs, tier="kv8", ctx=131_072, experts="int4")
+    eb = fp.expert_bytes("int4")
+    room = 137 * GB - fp.dense_bytes - 131_072 * (79 * 584 + 22 * 512 + 79 * 584)  # kv + index + shadow
+    for d in p.devices:
+        assert len(d.pinned) == room // eb == 4033
+        assert 0 <= d.free_bytes < eb
+        assert d.shadow_bytes == d.kv_pool_bytes == 131_072 * 79 * 584
+    assert len(p.host) == fp.routed_experts - 2 * 4033 == 11_390
+    with capsys.disabled():
+        print(f"\n2 x H200 141 GB, GLM-5.2 int4 experts, kv8, 1 slot x 131072: "
+              f"{[len(d.pinned) for d in p.devices]} experts pinned per GPU, {len(p.host)} on host")
+
+
+# --- placement ---------------------------------------------------------------------------
+
+def test_assign_experts_biggest_budget_first():
+    experts = expert_order([3, 4], 4, usage=np.array([[9, 1, 5, 0], [2, 8, 7, 3]]))
+    assert experts.tolist() == [[3, 0], [4, 1], [4, 2], [3, 2], [4, 3], [4, 0], [3, 1], [3, 3]]
+    a = assign_experts([10, 25], 5, experts)
+    # budgets 10/25 -> w1 (20) w1 (15) w1 (10), tie 10/10 -> w0 (5), w1 (5), tie -> w0 (0),
+    # w1 (0); 35 bytes hold 7 experts; the last goes to w0 (tie at 0) unpinned.
+    assert a.owner.tolist() == [1, 1, 1, 0, 1, 0, 1, 0]
+    assert a.pinned.tolist() == [True] * 7 + [False]
+    assert sorted(map(tuple, np.concatenate([a.shard(0), a.shard(1)]).tolist())) == sorted(map(tuple, experts.tolist()))
+
+
+def test_expert_order_spreads_without_usage():
+    layers = [3, 5, 6, 9]
+    order = expert_order(layers, 7)
+    for k in (1, 5, 11, 27):
+        counts = np.bincount(np.searchsorted(layers, order[:k, 0]), minlength=4)
+        assert counts.max() - counts.min() <= 1
+    with pytest.raises(PlanError, match="shape"):
+        expert_order(layers, 7, usage=np.ones((4, 6)))
+
+
+# --- budgets, shadow, errors -------------------------------------------------------------
+
+def test_shadow_floor_and_kinds():
+    fp = card("glm-5.2")
+    big = DeviceBudget("big", "cuda", 80 * GB)
+    small = DeviceBudget("small", "cuda", 31 * GB)
+    host = DeviceBudget("host", "cpu", 512 * GB)
+    assert big.has_shadow(32 * GB) and not small.has_shadow(32 * GB) and not host.has_shadow(32 * GB)
+    p = plan(fp, [big, host], tier="tq4", ctx=4096)
+    assert p.devices[0].shadow_bytes == 4096 * 79 * 584 and p.devices[1].shadow_bytes == 0
+
+
+def test_plan_error_names_device_need_and_budget():
+    fp = card("glm-5.2")
+    with pytest.raises(PlanError, match=r"device tiny/cuda0: dense weights need 37\.78 GB but its budget is 20\.00 GB"):
+        plan(fp, [DeviceBudget("tiny/cuda0", "cuda", 24 * GB, 4 * GB)], tier="kv8", ctx=1024)
+    with pytest.raises(PlanError, match=r"device a: .*KV pool .* exceed its budget .*longest context"):
+        plan(fp, [DeviceBudget("a", "cuda", 80 * GB, 4 * GB, slots=4)], tier="f32", ctx=262_144)
+
+
+def test_max_context_is_the_largest_block_that_fits():
+    fp = card("deepseek-v3")
+    dev = DeviceBudget("d", "cuda", 80 * GB, 4 * GB, slots=2)
+    for tier in ("f32", "kv8", "tq4"):
+        n = max_context(fp, dev, tier)
+        assert n % BLOCK == 0 and n > 0
+        assert plan(fp, [dev], tier=tier, ctx=n).devices[0].free_bytes >= 0
+        with pytest.raises(PlanError):
+            plan(fp, [dev], tier=tier, ctx=n + BLOCK)
+
+
+# --- property test: random fleets ----------------------------------------------------------
+
+def random_model(rng: np.random.Generator) -> Footprint:
+    layers, nextn = int(rng.integers(1, 7)), int(rng.integers(0, 2))
+    dsa = rng.random() < 0.5
+    raw = {
+        "model_type": "deepseek_v3", "vocab_size": int(rng.integers(50, 400)), "hidden_size": 64,
+        "num_hidden_layers": layers, "num_attention_heads": int(rng.integers(1, 5)),
+        "q_lora_rank": None if rng.random() < 0.3 else 32, "kv_lora_rank": int(rng.choice([16, 32, 64])),
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": int(rng.choice([8, 16])), "v_head_dim": 16,
+        "intermediate_size": 96, "n_routed_experts": int(rng.integers(2, 17)), "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "first_k_dense_replace": int(rng.integers(0, layers + 1)),
+        "num_nextn_predict_layers": nextn,
+        **({"index_n_heads": 2, "index_head_dim": 16, "index_topk": 8} if dsa else {}),
+    }
+    return Footprint.from_dict(raw, source="random")
+
+
+def test_random_fleets_never_overbook_and_place_every_expert_once():
+    rng = np.random.default_rng(20261130)
+    planned = refused = 0
+    for case in range(300):
+        fp = random_model(rng)
+        n_dev = int(rng.integers(1, 6))
+        devs = [DeviceBudget(f"n{case}/d{i}", str(rng.choice(["cuda", "cpu", "metal"])),
+                             int(rng.integers(1, 40) * 10**6), int(rng.integers(0, 3) * 10**6),
+                             slots=int(rng.integers(1, 5))) for i in range(n_dev)]
+        tier = str(rng.choice(["f32", "kv8", "tq4", "polar3"]))
+        ctx, fmt = int(rng.integers(1, 300)), str(rng.choice(["bf16", "fp8", "int4"]))
+        usage = rng.poisson(3.0, (len(fp.moe_layers), fp.config.n_routed_experts)) if rng.random() < 0.5 else None
+        floor = int(rng.integers(0, 40) * 10**6)
+        try:
+            p = plan(fp, devs, tier=tier, ctx=ctx, experts=fmt, usage=usage, shadow_floor_bytes=floor)
+        except PlanError as e:
+            refused += 1
+            bad = [d for d in devs if fp.dense_bytes + d.slots * ctx * (
+                fp.kv_bytes_per_token(tier) + fp.index_bytes_per_token
+                + (fp.kv_bytes_per_token("kv8") if d.kind == "cuda" and d.memory_bytes >= floor else 0)) > d.capacity]
+            assert bad and bad[0].name in str(e)
+            continue
+        planned += 1
+        eb = fp.expert_bytes(fmt)
+        for d in p.devices:
+            assert d.used_bytes <= d.device.capacity and d.free_bytes >= 0
+            assert d.pinned_bytes == len(d.pinned) * eb
+            if len(p.host):
+                assert d.free_bytes < eb  # nothing left on host that this device could still pin
+        placed = [tuple(x) for d in p.devices for x in d.pinned.tolist()] + [tuple(x) for x in p.host.tolist()]
+        everything = {(l, e) for l in fp.moe_layers for e in range(fp.config.n_routed_experts)}
+        assert len(placed) == len(set(placed)) == len(everything) and set(placed) == everything
+        if usage is not None and len(p.host) and len(p.host) < fp.routed_experts:
+            u = {(l, e): usage[i, e] for i, l in enumerate(fp.moe_layers) for e in range(usage.shape[1])}
+            pinned_min = min(u[tuple(x)] for d in p.devices for x in d.pinned.tolist())
+            assert pinned_min >= max(u[tuple(x)] for x in p.host.tolist())
+    assert planned > 50 and refused > 20  # both paths exercised
+
+
+def test_plan_rejects_bad_inputs():
+    fp = card("kimi-k2")
+    with pytest.raises(PlanError, match="unique"):
+        plan(fp, [DeviceBudget("a", "cpu", 900 * GB)] * 2, tier="f32", ctx=16)
+    with pytest.raises(PlanError, match="kind"):
+        DeviceBudget("a", "tpu", GB)
+    with pytest.raises(ValueError, match="unknown KV tier"):
+        plan(fp, [DeviceBudget("a", "cpu", 900 * GB)], tier="kv4", ctx=16)
+    assert math.isclose(fp.expert_bytes("int4") / (3 * 2048 * 7168), 0.5625)
