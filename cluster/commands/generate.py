@@ -1,0 +1,63 @@
+"""`kvfleet generate`: batch generation, prompts JSONL in, results Parquet out.
+
+    kvfleet generate --prompts FILE.jsonl --out FILE.parquet [--config YAML] [--kv TIER]
+                     [--slots N] [--max-tokens N] [--model DIR] [--workers N] [--inprocess]
+
+Config: configs/generate.yaml (or --config) < environment (KV8, KV_TQ, KVFLEET_*) < flags.
+With RAY_ADDRESS set (as under `ray job submit`) it joins that cluster, otherwise it starts
+a local Ray; --inprocess runs without Ray. Rerunning with the same --out resumes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.cli import UsageError
+from cluster.config import REPO_ROOT, load_job_config
+from kernels.tiers import TIERS
+
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "generate.yaml"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="batch generation: prompts JSONL -> results Parquet")
+    p.add_argument("--prompts", required=True, type=Path, help="JSONL, one request per line")
+    p.add_argument("--out", required=True, type=Path, help="results Parquet (resumable)")
+    p.add_argument("--config", type=Path, help=f"job config YAML (default {DEFAULT_CONFIG.name})")
+    p.add_argument("--kv", choices=sorted(TIERS), help="KV cache tier")
+    p.add_argument("--slots", type=int, help="KV slots per worker")
+    p.add_argument("--max-tokens", type=int, help="default completion length")
+    p.add_argument("--model", type=Path, help="model dir (config.json, weights, tokenizer)")
+    p.add_argument("--workers", type=int, help="number of worker actors")
+    p.add_argument("--inprocess", action="store_true", help="run the workers in this process")
+    p.add_argument("--limit", type=int, help="process at most N prompts this run")
+    p.set_defaults(func=run)
+
+
+def flag_overrides(args) -> dict:
+    o: dict = {}
+    if args.kv:
+        o["kv"] = args.kv
+    if args.slots is not None:
+        o["slots"] = args.slots
+    if args.max_tokens is not None:
+        o.setdefault("sampling", {})["max_tokens"] = args.max_tokens
+    if args.model is not None:
+        o["model"] = str(args.model.resolve())
+    if args.workers is not None:
+        o.setdefault("workers", {})["count"] = args.workers
+    if args.inprocess:
+        o.setdefault("workers", {})["runtime"] = "inprocess"
+    return o
+
+
+def run(args) -> int:
+    from cluster.jobs.generate import run_generate
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    cfg = load_job_config(config, overrides=flag_overrides(args))
+    if not args.prompts.exists():
+        raise UsageError(f"--prompts {args.prompts}: no such file")
+    if args.limit is not None and args.limit < 0:
+        raise UsageError(f"--limit {args.limit} must be >= 0")
+    summary = run_generate(cfg, args.prompts, args.out, limit=args.limit)
+    print(summary.line())
+    return 0

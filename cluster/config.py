@@ -1,0 +1,218 @@
+"""JobConfig: the typed, frozen config of a generation job.
+
+Sources, later ones winning: the model defaults below < a YAML file (`--config`) < the
+environment (`KV8=1`, `KV_TQ=4`, `KVFLEET_SLOTS=8`, ...; mapped in `env_overrides`, the one
+place that reads them) < command-line flags. Every error names the file (or variable) and
+the field path, and carries the bad value.
+
+    model: models/kvfleet-mini   # relative paths resolve against the repo root
+    kv: f32                      # f32 | kv8 | tq4 | polar2..6
+    slots: 8                     # KV slots per worker (concurrent sequences)
+    max_context: 2048            # tokens per slot, prompt + completion
+    block_size: 16               # tokens per KV block
+    prefill_chunk: 256           # prompt tokens per scheduler step, over all slots
+    sampling: {max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0}
+    workers: {count: 1, fleet: null, num_cpus: 1, resources: {}, label_selector: {}}
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.cli import UsageError
+from kernels.tiers import TIERS
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "kvfleet-mini"
+
+
+class JobConfigError(UsageError):
+    """A config file, variable or flag that cannot describe a job: names where and what."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Sampling(_Frozen):
+    """Per-request defaults; a prompt line may override each of them."""
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = Field(0, ge=0)
+
+
+class Workers(_Frozen):
+    """Where worker actors go. `fleet` names a fleet file (cluster/fleet.py) instead of a count."""
+    count: int = Field(1, ge=1)
+    fleet: Path | None = None
+    num_cpus: float = Field(1.0, ge=0.0)
+    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"cpu_worker": 1}
+    label_selector: dict[str, str] = Field(default_factory=dict)  # e.g. {"kind": "cpu"}
+    runtime: Literal["ray", "inprocess"] = "ray"  # inprocess: no Ray at all (tests, bench)
+    ray_num_cpus: int | None = Field(None, ge=1)  # CPUs of a local Ray started by the job
+
+
+class JobConfig(_Frozen):
+    model: Path = DEFAULT_MODEL
+    kv: str = "f32"
+    slots: int = Field(8, ge=1)
+    max_context: int = Field(2048, ge=2)
+    block_size: int = Field(16, ge=1)
+    prefill_chunk: int = Field(256, ge=1)
+    sampling: Sampling = Sampling()
+    workers: Workers = Workers()
+    flush_every: int = Field(32, ge=1)  # results per crash-safe part file
+    progress_every_s: float = Field(10.0, gt=0)  # log-line progress period off a TTY
+
+    @field_validator("kv")
+    @classmethod
+    def _known_tier(cls, v: str) -> str:
+        if v not in TIERS:
+            raise ValueError(f"unknown KV tier {v!r}; choose one of {sorted(TIERS)}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _repo_relative(cls, v: Path) -> Path:
+        return v if v.is_absolute() else REPO_ROOT / v
+
+    @model_validator(mode="after")
+    def _context_fits_blocks(self) -> "JobConfig":
+        if self.max_context < self.block_size:
+            raise ValueError(f"max_context={self.max_context} is smaller than "
+                             f"block_size={self.block_size}")
+        return self
+
+    def model_ref(self) -> str:
+        """The model path as a worker on another node should resolve it (repo-relative when
+        it lies inside the repo, so a `--working-dir .` job finds it on every node)."""
+        try:
+            return str(self.model.relative_to(REPO_ROOT))
+        except ValueError:
+            return str(self.model)
+
+
+def resolve_model(ref: str | Path) -> Path:
+    """Inverse of JobConfig.model_ref on the node that loads the model."""
+    p = Path(ref)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+# name -> (field path, parser). KV8 / KV_TQ / KV_TQ_POLAR are combined in _tier_from_env.
+ENV_FIELDS: dict[str, tuple[str, Any]] = {
+    "KVFLEET_MODEL": ("model", lambda v: str(Path(v).resolve())),  # relative to the cwd
+    "KVFLEET_KV": ("kv", str),
+    "KVFLEET_SLOTS": ("slots", int),
+    "KVFLEET_MAX_CONTEXT": ("max_context", int),
+    "KVFLEET_BLOCK_SIZE": ("block_size", int),
+    "KVFLEET_PREFILL_CHUNK": ("prefill_chunk", int),
+    "KVFLEET_MAX_TOKENS": ("sampling.max_tokens", int),
+    "KVFLEET_TEMPERATURE": ("sampling.temperature", float),
+    "KVFLEET_SEED": ("sampling.seed", int),
+    "KVFLEET_WORKERS": ("workers.count", int),
+}
+
+
+def _tier_from_env(env: Mapping[str, str]) -> str | None:
+    """The C engine's knobs: KV8=1 -> kv8; KV_TQ=4 -> tq4; KV_TQ=B with KV_TQ_POLAR=1 -> polarB.
+    KV_TQ wins over KV8 (with a warning)."""
+    kv8 = env.get("KV8", "").strip() not in ("", "0")
+    tq = env.get("KV_TQ", "").strip()
+    polar = env.get("KV_TQ_POLAR", "").strip() not in ("", "0")
+    if tq in ("", "0"):
+        if polar:
+            raise JobConfigError("environment KV_TQ_POLAR=1 needs KV_TQ=<bits> (2..6)")
+        return "kv8" if kv8 else None
+    if not tq.isdigit():
+        raise JobConfigError(f"environment KV_TQ={tq!r} must be a bit count")
+    name = f"polar{tq}" if polar else f"tq{tq}"
+    if name not in TIERS:
+        raise JobConfigError(f"environment KV_TQ={tq!r}{' KV_TQ_POLAR=1' if polar else ''} "
+                             f"gives tier {name!r}, which does not exist; tiers: {sorted(TIERS)}")
+    if kv8:
+        log.warning("both KV8 and KV_TQ=%s are set; KV_TQ wins (tier %s)", tq, name)
+    return name
+
+
+def env_overrides(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The one place that maps environment variables onto JobConfig fields (a nested dict)."""
+    env = os.environ if env is None else env
+    out: dict[str, Any] = {}
+    for var, (path, kind) in ENV_FIELDS.items():
+        if env.get(var, "") == "":
+            continue
+        try:
+            value = kind(env[var])
+        except ValueError:
+            raise JobConfigError(f"environment {var}={env[var]!r} (field {path}) "
+                                 f"must be {getattr(kind, '__name__', 'a path')}") from None
+        _set(out, path, value)
+    tier = _tier_from_env(env)
+    if tier is not None:
+        if "kv" in out and out["kv"] != tier:
+            log.warning("KVFLEET_KV=%s overrides the KV8/KV_TQ tier %s", out["kv"], tier)
+        else:
+            out["kv"] = tier
+    return out
+
+
+def _set(d: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _validate(data: dict, source: str) -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "<top>"
+            got = f" (got {err['input']!r})" if "input" in err and err["type"] != "missing" else ""
+            lines.append(f"{source}: {where}: {err['msg']}{got}")
+        raise JobConfigError("; ".join(lines)) from None
+
+
+def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,
+                    overrides: Mapping[str, Any] | None = None) -> JobConfig:
+    """YAML file (optional) < environment < `overrides` (a nested dict, e.g. from flags)."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise JobConfigError(f"cannot read config {source}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise JobConfigError(f"{source}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise JobConfigError(f"{source}: top level must be a mapping, got "
+                                 f"{type(loaded).__name__}")
+        data = loaded or {}
+    cfg = _validate(data, source)  # file errors are reported against the file alone
+    from_env = env_overrides(env)
+    if from_env:
+        cfg = _validate(_merge(data, from_env), f"{source} + environment {sorted(from_env)}")
+    if overrides:
+        cfg = _validate(_merge(_merge(data, from_env), overrides), f"{source} + flags")
+    return cfg

@@ -1,0 +1,204 @@
+"""The `generate` job: prompts (JSONL) in, one Parquet row per input line out.
+
+Flow: read and validate every line (bad lines become error rows at once) -> skip keys that
+an earlier run of the same OUT finished -> start or join Ray and place the worker actors
+(or build in-process workers) -> the scheduler runs the rest, each result going to the
+crash-safe ResultStore -> merge into OUT.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.config import JobConfig, JobConfigError
+from cluster.jobs.progress import Progress
+from cluster.jobs.results_store import ResultStore
+from cluster.metrics import JobMetrics
+from cluster.requests import InputError, Request, Result, read_requests, result_key
+from cluster.scheduler import Prepared, Scheduler, SchedulerStats
+from workers.actor import LocalGroup, RayGroup, Worker, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    out: Path
+    done: int  # rows written by this run
+    errors: int  # of which error rows
+    skipped: int  # keys an earlier run finished
+    tokens: int
+    wall_s: float
+    stats: SchedulerStats
+
+    def line(self) -> str:
+        tps = self.stats.tokens / self.stats.wall_s if self.stats.wall_s else 0.0
+        return (f"{self.done} rows ({self.errors} errors, {self.skipped} skipped as done) -> "
+                f"{self.out}; {self.tokens} tokens in {self.wall_s:.1f}s, {tps:.1f} tok/s in "
+                f"steps, scheduler overhead {1e3 * self.stats.overhead_per_decode_step_s:.2f} "
+                f"ms per decode step")
+
+
+def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
+                 limit: int | None = None, progress: bool | None = None) -> Summary:
+    """`limit` = admit at most that many runnable prompts (the rest waits for a rerun)."""
+    t0 = time.perf_counter()
+    from workers.config import ModelConfig
+    from workers.tokenizer import Tokenizer
+    if not (cfg.model / "config.json").exists():
+        raise JobConfigError(f"model: {cfg.model} has no config.json (set `model:` in the "
+                             f"config, --model, or KVFLEET_MODEL)")
+    mcfg = ModelConfig.from_file(cfg.model / "config.json")
+    tok = Tokenizer.from_dir(cfg.model)
+    store = ResultStore(out, flush_every=cfg.flush_every)
+    done = store.done_keys()
+    skipped, errors, items = 0, [], []
+    try:
+        lines = list(read_requests(prompts))
+    except OSError as e:
+        raise JobConfigError(f"--prompts {prompts}: {e.strerror}") from None
+    for item in lines:
+        if result_key(item.id, item.line) in done:
+            skipped += 1
+            continue
+        p = item if isinstance(item, InputError) else _prepare(item, cfg, tok, mcfg.vocab_size)
+        (errors if isinstance(p, InputError) else items).append(p)
+    if limit is not None:
+        items = items[:limit]
+    if skipped:
+        log.info("%s: %d prompts already done, skipping them", out, skipped)
+    bar = Progress(len(errors) + len(items), cfg.progress_every_s, tty=progress)
+    written = {"n": 0, "errors": 0}
+
+    def emit(r: Result) -> None:
+        store.add(r)
+        written["n"] += 1
+        written["errors"] += r.finish_reason == "error"
+        bar.update(r.completion_token_count)
+
+    for bad in errors:
+        emit(Result.failed(bad, cfg.kv))
+    stats = SchedulerStats()
+    if items:
+        group, close = _start_workers(cfg)
+        try:
+            sched = Scheduler(group, max_context=cfg.max_context,
+                              prefill_chunk=cfg.prefill_chunk, eos_ids=_eos(tok, mcfg),
+                              decode=tok.decode, tier=cfg.kv,
+                              metrics=JobMetrics(use_ray=cfg.workers.runtime == "ray"))
+            stats = sched.run(items, emit)
+        finally:
+            store.flush()
+            close()
+    bar.close()
+    store.finalize()
+    s = Summary(Path(out), written["n"], written["errors"], skipped, stats.tokens,
+                time.perf_counter() - t0, stats)
+    log.info("generate: %s", s.line())
+    return s
+
+
+def _prepare(r: Request, cfg: JobConfig, tok, vocab: int) -> Prepared | InputError:
+    def bad(why: str) -> InputError:
+        return InputError(r.line, f"line {r.line}: {why}", r.id, r.prompt)
+
+    ids = np.asarray(r.prompt_tokens if r.prompt_tokens is not None else tok.encode(r.prompt),
+                     np.int64)
+    if ids.size == 0:
+        return bad("empty prompt (no tokens after tokenization)")
+    if ids.max() >= vocab:
+        return bad(f"prompt token {int(ids.max())} is outside the vocabulary ({vocab})")
+    if ids.size > cfg.max_context:
+        return bad(f"prompt of {ids.size} tokens is longer than the context "
+                   f"(max_context={cfg.max_context})")
+    d = cfg.sampling
+    return Prepared(r, ids.astype(np.int32),
+                    max_tokens=r.max_tokens if r.max_tokens is not None else d.max_tokens,
+                    temperature=r.temperature if r.temperature is not None else d.temperature,
+                    top_p=r.top_p if r.top_p is not None else d.top_p,
+                    seed=r.seed if r.seed is not None else d.seed, stop=r.stop)
+
+
+def _eos(tok, mcfg) -> set[int]:
+    return set(tok.eos_ids) | set(mcfg.eos_token_ids)
+
+
+# -- workers ----------------------------------------------------------------------------
+def worker_placements(cfg: JobConfig) -> list[tuple[WorkerSpec, dict[str, Any]]]:
+    """One (spec, Ray actor options) per worker: `workers.count` alike CPU workers, or one
+    per device of the fleet file. Placement is by custom resources and labels; a CUDA
+    device adds num_gpus=1 only together with its node's resources/labels."""
+    w = cfg.workers
+    base = {"num_cpus": w.num_cpus}
+    if w.fleet is None:
+        opts = dict(base, **_placement(w.resources, w.label_selector))
+        return [(_spec(cfg, f"worker{i}", cfg.slots), opts) for i in range(w.count)]
+    from cluster.fleet import Fleet, FleetError
+    try:
+        fleet = Fleet.from_file(w.fleet)
+    except FleetError as e:
+        raise JobConfigError(f"workers.fleet: {e}") from None
+    out = []
+    for d in fleet.devices():
+        n = d.node
+        res = {k: v / n.devices for k, v in n.resources.items()}
+        opts = dict(base, **_placement(res, n.labels))
+        if n.kind == "cuda":
+            opts["num_gpus"] = 1
+        out.append((_spec(cfg, d.name, n.slots), opts))
+    return out
+
+
+def _placement(resources: dict[str, float], labels: dict[str, str]) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if resources:
+        opts["resources"] = dict(resources)
+    if labels:
+        opts["label_selector"] = dict(labels)
+    return opts
+
+
+def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
+    return WorkerSpec(name=name, model=cfg.model_ref(), tier=cfg.kv, slots=slots,
+                      max_context=cfg.max_context, block_size=cfg.block_size)
+
+
+def _start_workers(cfg: JobConfig):
+    placements = worker_placements(cfg)
+    if cfg.workers.runtime == "inprocess":
+        return LocalGroup([Worker(spec) for spec, _ in placements]), lambda: None
+    import ray
+    started = connect_ray(cfg)
+    group = RayGroup(placements)
+
+    def close() -> None:
+        group.close()
+        if started:
+            ray.shutdown()
+    return group, close
+
+
+def connect_ray(cfg: JobConfig) -> bool:
+    """Join the cluster RAY_ADDRESS names, or start a local Ray. True if this call started
+    (and so must stop) Ray."""
+    import ray
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=address)
+        return True  # disconnects this driver only; the cluster stays up
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        log.info("RAY_AUTH_MODE was unset: set to 'disabled' for the local Ray this job starts")
+    n = cfg.workers.ray_num_cpus or os.cpu_count() or 1
+    log.info("no RAY_ADDRESS: starting a local Ray with %d CPUs", n)
+    ray.init(num_cpus=n, include_dashboard=False)
+    return True

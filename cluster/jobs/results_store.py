@@ -1,0 +1,114 @@
+"""Crash-safe, resumable result output: part files under OUT.parts/, merged into OUT at the end.
+
+Every `flush_every` results (or `flush_s` seconds) the buffered rows become one Parquet part
+file, written to a temporary name, fsync'd and renamed into place, so a job killed at any
+moment keeps every part it finished. A rerun with the same OUT reads the final file and the
+parts, treats every key with a non-error row as done, and `finalize` merges everything
+into OUT (the newest row per key wins, rows sorted by input line) and removes the parts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cluster.requests import SCHEMA, Result, result_key, results_table
+
+log = logging.getLogger(__name__)
+PART = re.compile(r"^part-(\d{6})\.parquet$")
+
+
+class ResultStore:
+    def __init__(self, out: str | Path, flush_every: int = 32, flush_s: float = 5.0):
+        self.out = Path(out)
+        self.parts = self.out.parent / (self.out.name + ".parts")
+        self.flush_every, self.flush_s = flush_every, flush_s
+        self._buf: list[Result] = []
+        self._last_flush = time.monotonic()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.parts.glob("*.tmp") if self.parts.exists() else ():
+            stale.unlink()  # a part that was being written when a previous run died
+        self._next = 1 + max((int(m.group(1)) for p in self._part_files()
+                              if (m := PART.match(p.name))), default=0)
+
+    def _part_files(self) -> list[Path]:
+        if not self.parts.exists():
+            return []
+        return sorted(p for p in self.parts.iterdir() if PART.match(p.name))
+
+    def _tables(self) -> list[pa.Table]:
+        """Final file first, then the parts oldest first (later rows win on merge)."""
+        sources = ([self.out] if self.out.exists() else []) + self._part_files()
+        tables = []
+        for p in sources:
+            try:
+                t = pq.read_table(p)
+            except (OSError, pa.ArrowInvalid) as e:
+                raise RuntimeError(f"{p}: cannot read earlier results ({e}); move it away "
+                                   f"to start over") from None
+            missing = set(SCHEMA.names) - set(t.column_names)
+            if missing:
+                raise RuntimeError(f"{p}: not a kvfleet results file (missing {sorted(missing)})")
+            tables.append(t.select(SCHEMA.names).cast(SCHEMA))
+        return tables
+
+    def done_keys(self) -> set[str]:
+        """Keys with a non-error row: a rerun skips them. Error rows are redone."""
+        done = set()
+        for t in self._tables():
+            for i, line, reason in zip(*(t.column(c).to_pylist()
+                                         for c in ("id", "line", "finish_reason"))):
+                if reason != "error":
+                    done.add(result_key(i, line))
+        return done
+
+    def add(self, result: Result) -> None:
+        self._buf.append(result)
+        if (len(self._buf) >= self.flush_every
+                or time.monotonic() - self._last_flush >= self.flush_s):
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._buf:
+            return
+        self.parts.mkdir(parents=True, exist_ok=True)
+        path = self.parts / f"part-{self._next:06d}.parquet"
+        self._next += 1
+        _write_atomic(results_table(self._buf), path)
+        self._buf = []
+
+    def finalize(self) -> pa.Table:
+        """Flush, merge final file + parts into OUT atomically, remove the parts."""
+        self.flush()
+        tables = self._tables()
+        merged = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+        keys = [result_key(i, n) for i, n in zip(merged.column("id").to_pylist(),
+                                                 merged.column("line").to_pylist())]
+        last = {k: j for j, k in enumerate(keys)}  # the newest row per key
+        lines = merged.column("line").to_pylist()
+        rows = sorted(last.values(), key=lambda j: lines[j])
+        merged = merged.take(pa.array(rows, pa.int64()))
+        _write_atomic(merged, self.out)
+        if self.parts.exists():
+            shutil.rmtree(self.parts)
+        return merged
+
+
+def _write_atomic(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

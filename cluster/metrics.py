@@ -1,0 +1,86 @@
+"""Job metrics, exported through ray.util.metrics (Prometheus via the Ray metrics agent).
+
+    kvfleet_tokens_generated          Counter    tokens sampled (EOS included)
+    kvfleet_decode_tokens_per_s       Gauge      tokens of the last step / its wall time
+    kvfleet_time_to_first_token_s     Histogram  admission -> first sampled token
+    kvfleet_queue_depth               Gauge      requests waiting for a slot
+    kvfleet_active_slots              Gauge      sequences holding a slot
+    kvfleet_kv_bytes_in_use           Gauge      tags tier, device (the worker)
+    kvfleet_fallbacks                 Counter    tag path (a native path that fell back)
+
+Without Ray (in-process runs, tests) the same calls update `JobMetrics.local`, a plain
+dict that tests read; with `enabled=False` they do nothing.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+TTFT_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class JobMetrics:
+    def __init__(self, enabled: bool = True, use_ray: bool | None = None):
+        self.enabled = enabled
+        self.local: dict[str, float] = defaultdict(float)
+        self._ray = None
+        if not enabled:
+            return
+        if use_ray is None:
+            import ray
+            use_ray = ray.is_initialized()
+        if use_ray:
+            from ray.util import metrics as m
+            self._ray = {
+                "tokens": m.Counter("kvfleet_tokens_generated", "tokens sampled"),
+                "tps": m.Gauge("kvfleet_decode_tokens_per_s", "tokens per second, last step"),
+                "ttft": m.Histogram("kvfleet_time_to_first_token_s", "admission to first token",
+                                    boundaries=TTFT_BOUNDARIES),
+                "queue": m.Gauge("kvfleet_queue_depth", "requests waiting for a slot"),
+                "active": m.Gauge("kvfleet_active_slots", "sequences holding a slot"),
+                "kv": m.Gauge("kvfleet_kv_bytes_in_use", "KV pool bytes held",
+                              tag_keys=("tier", "device")),
+                "fallbacks": m.Counter("kvfleet_fallbacks", "native paths that fell back",
+                                       tag_keys=("path",)),
+            }
+
+    def queue(self, waiting: int, active: int) -> None:
+        if not self.enabled:
+            return
+        self.local["queue_depth"] = waiting
+        self.local["active_slots"] = active
+        if self._ray:
+            self._ray["queue"].set(waiting)
+            self._ray["active"].set(active)
+
+    def step(self, tokens: int, wall_s: float) -> None:
+        if not self.enabled:
+            return
+        self.local["tokens_generated"] += tokens
+        rate = tokens / wall_s if wall_s > 0 else 0.0
+        self.local["decode_tokens_per_s"] = rate
+        if self._ray:
+            if tokens:
+                self._ray["tokens"].inc(tokens)
+            self._ray["tps"].set(rate)
+
+    def ttft(self, seconds: float) -> None:
+        if not self.enabled:
+            return
+        self.local["ttft_count"] += 1
+        self.local["ttft_sum_s"] += seconds
+        if self._ray:
+            self._ray["ttft"].observe(seconds)
+
+    def kv_bytes(self, tier: str, device: str, n: int) -> None:
+        if not self.enabled:
+            return
+        self.local[f"kv_bytes_in_use[{tier},{device}]"] = n
+        if self._ray:
+            self._ray["kv"].set(n, tags={"tier": tier, "device": device})
+
+    def fallback(self, path: str, n: int = 1) -> None:
+        if not self.enabled or n <= 0:
+            return
+        self.local[f"fallbacks[{path}]"] += n
+        if self._ray:
+            self._ray["fallbacks"].inc(n, tags={"path": path})

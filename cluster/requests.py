@@ -1,0 +1,171 @@
+"""Requests in (JSONL), results out (one Parquet row per input line).
+
+Input line (JSON object): `id` (string or int), `prompt` (text) or `prompt_tokens` (list of
+ints), optional `max_tokens`, `temperature`, `top_p`, `seed`, `stop` (string or list).
+A line that cannot become a request is not fatal: it becomes an `InputError` carrying the
+line number and the reason, and the job writes an error row for it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+
+FIELDS = {"id", "prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "stop"}
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    line: int  # 1-based line number in the input file
+    prompt: str | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+    max_tokens: int | None = None  # None = the job's sampling defaults
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InputError:
+    """A line that is not a valid request; `id` is known when the JSON parsed far enough."""
+    line: int
+    error: str
+    id: str | None = None
+    prompt: str | None = None
+
+
+@dataclass
+class Result:
+    id: str | None
+    line: int
+    prompt: str | None = None
+    completion: str = ""
+    completion_tokens: list[int] = field(default_factory=list)
+    prompt_token_count: int = 0
+    completion_token_count: int = 0
+    finish_reason: str = "error"
+    error: str | None = None
+    tier: str = ""
+    worker: str = ""
+    ttft_s: float | None = None
+    decode_tokens_per_s: float | None = None
+
+    @classmethod
+    def failed(cls, bad: InputError, tier: str) -> "Result":
+        return cls(id=bad.id, line=bad.line, prompt=bad.prompt, error=bad.error, tier=tier)
+
+    @property
+    def key(self) -> str:
+        """What makes a row 'done' for a resumed job: the id, or the line without one."""
+        return result_key(self.id, self.line)
+
+
+def result_key(id_: str | None, line: int) -> str:
+    return id_ if id_ is not None else f"#line{line}"
+
+
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("prompt", pa.string()),
+    ("completion", pa.string()),
+    ("completion_tokens", pa.list_(pa.int32())),
+    ("prompt_token_count", pa.int32()),
+    ("completion_token_count", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("error", pa.string()),
+    ("tier", pa.string()),
+    ("worker", pa.string()),
+    ("ttft_s", pa.float64()),
+    ("decode_tokens_per_s", pa.float64()),
+    ("line", pa.int32()),
+])
+
+
+def results_table(results: list[Result]) -> pa.Table:
+    rows = [asdict(r) for r in results]
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+def parse_line(text: str, line: int) -> Request | InputError:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return InputError(line, f"line {line}: malformed JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        return InputError(line, f"line {line}: expected a JSON object, got {type(obj).__name__}")
+    raw_id = obj.get("id")
+    rid = str(raw_id) if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
+    prompt = obj.get("prompt") if isinstance(obj.get("prompt"), str) else None
+
+    def bad(why: str) -> InputError:
+        return InputError(line, f"line {line}: {why}", rid, prompt)
+
+    unknown = sorted(set(obj) - FIELDS)
+    if unknown:
+        return bad(f"unknown field(s) {unknown}; allowed: {sorted(FIELDS)}")
+    if rid is None or rid == "":
+        return bad(f"'id' must be a non-empty string or int, got {raw_id!r}")
+    has_text, has_tokens = "prompt" in obj, "prompt_tokens" in obj
+    if has_text == has_tokens:
+        return bad("give exactly one of 'prompt' (text) and 'prompt_tokens' (list of ints)")
+    tokens = None
+    if has_text:
+        if not isinstance(obj["prompt"], str):
+            return bad(f"'prompt' must be a string, got {type(obj['prompt']).__name__}")
+        if obj["prompt"] == "":
+            return bad("empty prompt")
+    else:
+        t = obj["prompt_tokens"]
+        if not isinstance(t, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                              and x >= 0 for x in t):
+            return bad(f"'prompt_tokens' must be a list of non-negative ints, got {str(t)[:80]}")
+        if not t:
+            return bad("empty prompt_tokens")
+        tokens = tuple(t)
+    kw = {}
+    for name, kind, ok, rule in (
+            ("max_tokens", int, lambda v: v >= 1, ">= 1"),
+            ("temperature", float, lambda v: math.isfinite(v) and v >= 0, ">= 0"),
+            ("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("seed", int, lambda v: v >= 0, ">= 0")):
+        if obj.get(name) is None:
+            continue
+        v = obj[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and
+                                                                      not isinstance(v, int)):
+            return bad(f"'{name}' must be {kind.__name__}, got {v!r}")
+        if not ok(v):
+            return bad(f"'{name}'={v!r} must be {rule}")
+        kw[name] = kind(v)
+    stop = obj.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        return bad(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
+    return Request(id=rid, line=line, prompt=prompt if has_text else None,
+                   prompt_tokens=tokens, stop=tuple(stop), **kw)
+
+
+def read_requests(path: str | Path) -> Iterator[Request | InputError]:
+    """Every non-blank line of a JSONL file as a Request or an InputError; a repeated id is
+    an error on its later lines."""
+    first_line: dict[str, int] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            item = parse_line(text, n)
+            if isinstance(item, Request):
+                if item.id in first_line:
+                    item = InputError(n, f"line {n}: duplicate id {item.id!r} (first on line "
+                                         f"{first_line[item.id]})", None, item.prompt)
+                else:
+                    first_line[item.id] = n
+            yield item

@@ -1,0 +1,268 @@
+"""The central scheduler: continuous batching over a group of workers, in lockstep steps.
+
+One iteration of `Scheduler.run`:
+  1. admit waiting requests while any worker has a free slot (the worker with the most free
+     slots takes the next request);
+  2. build one flat token batch per worker: one decode token for every sequence past its
+     prompt, then prompt chunks of the sequences still prefilling (at most `prefill_chunk`
+     prompt tokens per worker and step);
+  3. step every worker at once (`group.step_all`) and wait for all of them;
+  4. append the sampled tokens; a sequence that hit EOS, a stop string, its max_tokens or
+     the context ends, its Result goes out and its slot is released with the worker's next
+     batch -- so the slot is refilled in the very next step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from cluster.metrics import JobMetrics
+from cluster.requests import Request, Result
+from workers.actor import StepBatch, StepOutput, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request with its prompt tokenized and the job defaults filled in."""
+    req: Request
+    prompt_ids: np.ndarray  # int32[P], 1 <= P <= max_context
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class _Seq:
+    key: int
+    item: Prepared
+    worker: int
+    t_admit: float
+    prefilled: int = 0  # prompt tokens already in the worker's KV
+    out: list[int] = field(default_factory=list)
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.item.prompt_ids)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    wall_s: float = 0.0
+    forward_s: float = 0.0  # per step, the slowest worker's forward time
+    tokens: int = 0  # generated tokens (EOS included)
+    decode_steps: int = 0  # steps with no prompt tokens in them
+    decode_wall_s: float = 0.0
+    decode_forward_s: float = 0.0
+    decode_tokens: int = 0
+
+    @property
+    def overhead_per_decode_step_s(self) -> float:
+        return (self.decode_wall_s - self.decode_forward_s) / max(self.decode_steps, 1)
+
+
+class Scheduler:
+    def __init__(self, group: WorkerGroup, *, max_context: int, prefill_chunk: int,
+                 eos_ids: Iterable[int], decode: Callable[[list[int]], str], tier: str,
+                 metrics: JobMetrics | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.group = group
+        self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        self.eos = frozenset(int(e) for e in eos_ids)
+        self.decode, self.tier = decode, tier
+        self.metrics = metrics or JobMetrics(enabled=False)
+        self.clock = clock
+        self.stats = SchedulerStats()
+        self._next_key = 0
+        self._release: list[list[int]] = [[] for _ in group.names]
+
+    def run(self, items: Iterable[Prepared], on_result: Callable[[Result], None],
+            should_stop: Callable[[], bool] = lambda: False) -> SchedulerStats:
+        """Generate for every item; `on_result` gets each Result as its sequence ends.
+        `should_stop()` true = admit nothing more and finish the sequences in flight."""
+        waiting = deque(items)
+        active: list[_Seq] = []
+        while waiting or active:
+            if should_stop():
+                waiting.clear()
+            self._admit(waiting, active)
+            self.metrics.queue(len(waiting), len(active))
+            if not active:
+                break
+            batches, sampled, n_prompt = self._build(active)
+            t0 = self.clock()
+            try:
+                outs = self.group.step_all(batches)
+            except Exception as e:  # a failed step fails its sequences, not the job
+                log.error("step failed for %d sequences: %s", len(active), e)
+                for s in active:
+                    on_result(self._result(s, "error", f"worker step failed: {e}"))
+                active.clear()
+                self._release = [[] for _ in self.group.names]
+                continue
+            wall = self.clock() - t0
+            n_tok = self._apply(outs, sampled, active, on_result)
+            self._account(outs, wall, n_tok, n_prompt)
+        self._flush_releases()
+        return self.stats
+
+    # -- admission ----------------------------------------------------------------------
+    def _admit(self, waiting: deque, active: list[_Seq]) -> None:
+        used = np.zeros(len(self.group.capacities), np.int64)
+        for s in active:
+            used[s.worker] += 1
+        free = np.asarray(self.group.capacities) - used
+        while waiting and free.max() > 0:
+            w = int(np.argmax(free))  # most free slots; ties -> lowest index
+            active.append(_Seq(self._next_key, waiting.popleft(), w, self.clock()))
+            self._next_key += 1
+            free[w] -= 1
+
+    # -- one step's batches -------------------------------------------------------------
+    def _build(self, active: list[_Seq]):
+        rows: dict[int, list] = {}
+        sampled: dict[int, list[_Seq]] = {}
+        budget = {}
+        n_prompt = 0
+        for s in active:  # decode tokens first, so prefill never starves a decode
+            if s.decoding:
+                pos = len(s.item.prompt_ids) + len(s.out) - 1
+                self._add(rows, sampled, s, [s.out[-1]], pos, sample=True)
+        for s in active:
+            if s.decoding:
+                continue
+            left = budget.setdefault(s.worker, self.prefill_chunk)
+            if left == 0:
+                continue
+            n = min(left, len(s.item.prompt_ids) - s.prefilled)
+            chunk = s.item.prompt_ids[s.prefilled:s.prefilled + n]
+            done = s.prefilled + n == len(s.item.prompt_ids)
+            self._add(rows, sampled, s, chunk, s.prefilled, sample=done)
+            s.prefilled += n
+            budget[s.worker] = left - n
+            n_prompt += n
+        batches = {}
+        for w, parts in rows.items():
+            keys, toks, pos, at = [], [], [], []
+            n = 0
+            for key, t, p0, sample in parts:
+                keys.append(np.full(len(t), key, np.int64))
+                toks.append(np.asarray(t, np.int32))
+                pos.append(np.arange(p0, p0 + len(t), dtype=np.int32))
+                n += len(t)
+                if sample:
+                    at.append(n - 1)
+            seqs = sampled[w]
+            batches[w] = StepBatch(
+                keys=np.concatenate(keys), tokens=np.concatenate(toks),
+                positions=np.concatenate(pos), sample_at=np.asarray(at, np.int32),
+                temperature=np.array([s.item.temperature for s in seqs], np.float32),
+                top_p=np.array([s.item.top_p for s in seqs], np.float32),
+                seed=np.array([s.item.seed for s in seqs], np.uint64),
+                counter=np.array([len(s.out) for s in seqs], np.uint64),
+                release=tuple(self._release[w]))
+            self._release[w] = []
+        return batches, sampled, n_prompt
+
+    @staticmethod
+    def _add(rows, sampled, s: _Seq, tokens, pos0: int, sample: bool) -> None:
+        rows.setdefault(s.worker, []).append((s.key, tokens, pos0, sample))
+        sampled.setdefault(s.worker, [])
+        if sample:
+            sampled[s.worker].append(s)
+
+    # -- results ------------------------------------------------------------------------
+    def _apply(self, outs: dict[int, StepOutput], sampled, active: list[_Seq],
+               on_result) -> int:
+        now = self.clock()
+        finished: list[_Seq] = []
+        n_tok = 0
+        for w, out in outs.items():
+            for s, tok in zip(sampled[w], out.next_tokens.tolist()):
+                n_tok += 1
+                if s.t_first is None:
+                    s.t_first = now
+                    self.metrics.ttft(now - s.t_admit)
+                s.t_last = now
+                reason = self._finish_reason(s, int(tok))
+                if reason is not None:
+                    on_result(self._result(s, reason))
+                    finished.append(s)
+        for s in finished:
+            active.remove(s)
+            self._release[s.worker].append(s.key)
+        return n_tok
+
+    def _finish_reason(self, s: _Seq, tok: int) -> str | None:
+        if tok in self.eos:
+            return "stop"
+        s.out.append(tok)
+        if s.item.stop and _stop_at(self.decode(s.out), s.item.stop) is not None:
+            return "stop"
+        if len(s.out) >= s.item.max_tokens:
+            return "length"
+        if len(s.item.prompt_ids) + len(s.out) >= self.max_context:
+            return "length"  # the next decode token would have no room in the slot
+        return None
+
+    def _result(self, s: _Seq, reason: str, error: str | None = None) -> Result:
+        text = self.decode(s.out) if s.out else ""
+        cut = _stop_at(text, s.item.stop) if s.item.stop else None
+        if cut is not None:
+            text = text[:cut]
+        rate = None
+        if len(s.out) > 1 and s.t_last > s.t_first:
+            rate = (len(s.out) - 1) / (s.t_last - s.t_first)
+        r = s.item.req
+        return Result(id=r.id, line=r.line, prompt=r.prompt, completion=text,
+                      completion_tokens=list(s.out), prompt_token_count=len(s.item.prompt_ids),
+                      completion_token_count=len(s.out), finish_reason=reason, error=error,
+                      tier=self.tier, worker=self.group.names[s.worker],
+                      ttft_s=None if s.t_first is None else s.t_first - s.t_admit,
+                      decode_tokens_per_s=rate)
+
+    def _account(self, outs: dict[int, StepOutput], wall: float, n_tok: int,
+                 n_prompt: int) -> None:
+        fwd = max((o.forward_s for o in outs.values()), default=0.0)
+        st = self.stats
+        st.steps += 1
+        st.wall_s += wall
+        st.forward_s += fwd
+        st.tokens += n_tok
+        if n_prompt == 0:
+            st.decode_steps += 1
+            st.decode_wall_s += wall
+            st.decode_forward_s += fwd
+            st.decode_tokens += n_tok
+        self.metrics.step(n_tok, wall)
+        for w, o in outs.items():
+            self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
+            for path, n in o.fallbacks.items():
+                self.metrics.fallback(path, n)
+
+    def _flush_releases(self) -> None:
+        empty = np.zeros(0, np.int32)
+        batches = {w: StepBatch(keys=np.zeros(0, np.int64), tokens=empty, positions=empty,
+                                sample_at=empty, temperature=np.zeros(0, np.float32),
+                                top_p=np.zeros(0, np.float32), seed=np.zeros(0, np.uint64),
+                                counter=np.zeros(0, np.uint64), release=tuple(keys))
+                   for w, keys in enumerate(self._release) if keys}
+        if batches:
+            self.group.step_all(batches)
+        self._release = [[] for _ in self.group.names]
+
+
+def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index of the earliest stop string in text, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

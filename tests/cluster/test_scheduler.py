@@ -1,0 +1,153 @@
+"""Scheduler: continuous batching, chunked prefill, ragged decode, stop rules, several workers.
+
+The fake model (scheduler_fakes.py) hashes each slot's full token history, so any slip in
+positions, slots or chunks changes the outputs or raises."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cluster.metrics import JobMetrics
+from cluster.requests import Request
+from cluster.scheduler import Prepared, Scheduler
+from scheduler_fakes import EOS, FakeModel, FakePool, decode
+from workers.actor import LocalGroup, Worker, WorkerSpec, sample_rows
+
+MAX_CTX = 64
+
+
+def make_group(capacities, max_ctx=MAX_CTX, eos_bias=0.0):
+    workers = [Worker(WorkerSpec(f"w{i}", "fake", "f32", c, max_ctx),
+                      model=FakeModel(eos_bias=eos_bias), pool=FakePool(c, max_ctx))
+               for i, c in enumerate(capacities)]
+    return LocalGroup(workers)
+
+
+def prompts(n=16, seed=3):
+    rng = np.random.default_rng(seed)
+    lengths = rng.permutation(np.arange(1, 3 * n, 3))[:n]  # all different, 1..46
+    return [rng.integers(1, 40, size=int(L)).astype(np.int32) for L in lengths]
+
+
+def prep(i, ids, max_tokens=12, temperature=0.0, stop=(), seed=0):
+    return Prepared(Request(id=f"r{i}", line=i + 1), np.asarray(ids, np.int32), max_tokens,
+                    temperature, 1.0 if temperature == 0 else 0.9, seed, stop)
+
+
+def run(group, items, prefill_chunk=7, max_ctx=MAX_CTX, metrics=None):
+    results = []
+    sched = Scheduler(group, max_context=max_ctx, prefill_chunk=prefill_chunk, eos_ids=[EOS],
+                      decode=decode, tier="f32", metrics=metrics)
+    stats = sched.run(items, results.append)
+    for w in group.workers:  # every slot handed back
+        assert not w.pool.used.any(), w.pool.used
+    return {r.id: r for r in results}, stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_slots_1_and_8_give_identical_outputs(temperature):
+    items = [prep(i, p, temperature=temperature, seed=i) for i, p in enumerate(prompts())]
+    one, _ = run(make_group([1]), items)
+    eight, stats = run(make_group([8]), items)
+    assert len(one) == 16
+    for k in one:
+        assert one[k].completion_tokens == eight[k].completion_tokens, k
+        assert one[k].finish_reason == eight[k].finish_reason
+        assert one[k].prompt_token_count == len(items[int(k[1:])].prompt_ids)
+    # slots=8 really batched: some decode step carried more than one sequence
+    assert stats.decode_steps > 0 and stats.decode_tokens > stats.decode_steps
+
+
+def test_prefill_is_chunked_and_batched_with_decode():
+    group = make_group([4])
+    items = [prep(i, p) for i, p in enumerate(prompts(6))]
+    run(group, items, prefill_chunk=5)
+    calls = group.workers[0].model.calls
+    assert max(n - m for n, m in calls) <= 5 + 4  # prompt tokens per step <= chunk (+ decodes)
+    assert any(m > 1 and n > m for n, m in calls)  # a step mixing prefill rows and decodes
+
+
+def test_prompt_alone_or_among_others_in_any_order():
+    ps = prompts(9, seed=11)
+    target = prep(0, ps[0], max_tokens=20)
+    alone, _ = run(make_group([8]), [target])
+    others = [prep(i, p, max_tokens=5 + i) for i, p in enumerate(ps[1:], start=1)]
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        mixed = others + [target]
+        rng.shuffle(mixed)
+        got, _ = run(make_group([8]), mixed, prefill_chunk=int(rng.integers(1, 20)))
+        assert got["r0"].completion_tokens == alone["r0"].completion_tokens
+
+
+def test_several_workers_match_one_and_share_by_free_capacity():
+    items = [prep(i, p) for i, p in enumerate(prompts())]
+    ref, _ = run(make_group([8]), items)
+    group = make_group([2, 5, 1])
+    got, _ = run(group, items)
+    for k in ref:
+        assert got[k].completion_tokens == ref[k].completion_tokens
+    first8 = [got[f"r{i}"].worker for i in range(8)]  # admitted together at the start
+    assert first8.count("w0") == 2 and first8.count("w1") == 5 and first8.count("w2") == 1
+
+
+def test_stop_rules():
+    ps = prompts(12, seed=5)
+    # EOS: a strong EOS bias makes most sequences stop early, and EOS is not in the output
+    res, _ = run(make_group([4], eos_bias=2.5), [prep(i, p, max_tokens=30) for i, p in
+                                                 enumerate(ps)])
+    stopped = [r for r in res.values() if r.finish_reason == "stop"]
+    assert stopped and all(EOS not in r.completion_tokens for r in res.values())
+    # max_tokens
+    res, _ = run(make_group([4]), [prep(0, ps[0], max_tokens=3)])
+    assert res["r0"].finish_reason in ("length", "stop")
+    if res["r0"].finish_reason == "length":
+        assert res["r0"].completion_token_count == 3
+    # context: prompt of 60 in a 64-token context yields at most 4 tokens
+    long = np.arange(1, 61) % 39 + 1
+    res, _ = run(make_group([2], eos_bias=-50), [prep(0, long, max_tokens=50)])
+    assert res["r0"].finish_reason == "length" and res["r0"].completion_token_count == 4
+    # stop string: take the text of a free run and stop at a substring of it
+    free, _ = run(make_group([2], eos_bias=-50), [prep(0, ps[1], max_tokens=10)])
+    text = free["r0"].completion
+    stop = text[4:6]
+    first = text.find(stop)
+    res, _ = run(make_group([2], eos_bias=-50), [prep(0, ps[1], max_tokens=10, stop=(stop,))])
+    assert res["r0"].finish_reason == "stop" and res["r0"].completion == text[:first]
+
+
+def test_metrics_and_stats_are_recorded():
+    m = JobMetrics(use_ray=False)
+    items = [prep(i, p) for i, p in enumerate(prompts(5))]
+    res, stats = run(make_group([3]), items, metrics=m)
+    n = sum(r.completion_token_count + (r.finish_reason == "stop") for r in res.values())
+    assert m.local["tokens_generated"] == stats.tokens == n
+    assert m.local["ttft_count"] == 5 and m.local["queue_depth"] == 0
+    assert stats.overhead_per_decode_step_s >= 0
+    assert all(r.ttft_s is not None and r.ttft_s >= 0 for r in res.values())
+
+
+def test_sampling_rows_reference():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((64, 30)).astype(np.float32)
+    temp = np.where(np.arange(64) % 2, 0.7, 0.0).astype(np.float32)
+    top_p = np.full(64, 0.5, np.float32)
+    seed, counter = np.arange(64, dtype=np.uint64), np.full(64, 3, np.uint64)
+    got = sample_rows(logits, temp, top_p, seed, counter)
+    assert np.array_equal(got[::2], logits[::2].argmax(-1))
+    # hot rows: the pick is inside the nucleus, and the same with the rows alone or reversed
+    for r in range(1, 64, 2):
+        p = np.exp((logits[r] - logits[r].max()) / 0.7)
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        nucleus = order[:np.searchsorted(np.cumsum(p[order]), 0.5) + 1]
+        assert got[r] in nucleus
+    rev = sample_rows(logits[::-1], temp[::-1], top_p, seed[::-1], counter)
+    assert np.array_equal(rev[::-1], got)
+    # the draws are spread: over many counters a flat row hits many tokens
+    flat = np.zeros((500, 30), np.float32)
+    picks = sample_rows(flat, np.ones(500, np.float32), np.ones(500, np.float32),
+                        np.zeros(500, np.uint64), np.arange(500, dtype=np.uint64))
+    assert len(set(picks.tolist())) > 25

@@ -1,0 +1,188 @@
+"""The worker: one device, one Model, one KVPool in the job's tier, and its slots.
+
+The scheduler drives every worker with one call per step, `step(StepBatch) -> StepOutput`:
+a flat token batch (prefill chunks and decode tokens of any of the worker's sequences,
+mixed), the rows whose logits pick a next token, and the sequences to let go. The worker
+maps the scheduler's sequence keys onto pool slots itself, so a step needs no other
+round trip. The same class runs in-process (`LocalGroup`) or as a Ray actor (`RayGroup`).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    model: str  # repo-relative or absolute (cluster.config.JobConfig.model_ref)
+    tier: str
+    slots: int
+    max_context: int
+    block_size: int = 16
+
+
+@dataclass
+class StepBatch:
+    """One worker's share of a scheduler step. N token rows, M of them sampled."""
+    keys: np.ndarray  # int64[N] sequence key of each token row
+    tokens: np.ndarray  # int32[N]
+    positions: np.ndarray  # int32[N]
+    sample_at: np.ndarray  # int32[M] rows whose logits choose a next token
+    temperature: np.ndarray  # float32[M] (0 = greedy)
+    top_p: np.ndarray  # float32[M]
+    seed: np.ndarray  # uint64[M]
+    counter: np.ndarray  # uint64[M] index of the token being chosen within its sequence
+    release: tuple[int, ...] = ()  # keys whose slots are freed before this step
+
+
+@dataclass
+class StepOutput:
+    next_tokens: np.ndarray  # int32[M], in sample_at order
+    forward_s: float  # time inside Model.forward
+    step_s: float  # time of the whole step call on the worker
+    kv_bytes: int  # pool.bytes_in_use() after the step
+    fallbacks: dict[str, int] = field(default_factory=dict)  # path -> count in this step
+
+
+class Worker:
+    """Holds the model and the pool. `model`/`pool` may be injected (tests); otherwise they
+    are loaded from the spec (workers.model.Model, kvstore.pool.KVPool)."""
+
+    def __init__(self, spec: WorkerSpec, model: Any = None, pool: Any = None):
+        self.spec = spec
+        if model is None:
+            from cluster.config import resolve_model
+            from workers.model import Model
+            model = Model.load(resolve_model(spec.model))
+        if pool is None:
+            from kvstore.pool import KVPool
+            pool = KVPool.for_model(model.config, spec.tier, spec.slots, spec.max_context,
+                                    block_size=spec.block_size)
+        self.model, self.pool = model, pool
+        self._slot: dict[int, int] = {}  # sequence key -> pool slot
+
+    def info(self) -> dict:
+        return {"name": self.spec.name, "slots": self.spec.slots, "tier": self.spec.tier,
+                "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        t0 = time.perf_counter()
+        for key in batch.release:
+            self.pool.free_slot(self._slot.pop(int(key)))
+        uniq, inv = np.unique(batch.keys, return_inverse=True)
+        for key in uniq.tolist():
+            if key not in self._slot:
+                self._slot[key] = self.pool.alloc_slot()
+        slots = np.array([self._slot[k] for k in uniq.tolist()], np.int32)[inv]
+        next_tokens = np.zeros(0, np.int32)
+        forward_s = 0.0
+        if len(batch.tokens):
+            t1 = time.perf_counter()
+            logits = self.model.forward(np.asarray(batch.tokens, np.int32), slots,
+                                        np.asarray(batch.positions, np.int32), self.pool,
+                                        logits_at=np.asarray(batch.sample_at, np.int64))
+            forward_s = time.perf_counter() - t1
+            next_tokens = sample_rows(logits, batch.temperature, batch.top_p,
+                                      batch.seed, batch.counter)
+        return StepOutput(next_tokens=next_tokens, forward_s=forward_s,
+                          step_s=time.perf_counter() - t0, kv_bytes=int(self.pool.bytes_in_use()),
+                          fallbacks=_drain_fallbacks(self.model))
+
+
+def _drain_fallbacks(model: Any) -> dict[str, int]:
+    """Fallback counts (a native path that fell back to a slower one) since the last step,
+    where the model keeps them (`model.drain_fallbacks()`); none otherwise."""
+    drain = getattr(model, "drain_fallbacks", None)
+    return dict(drain()) if callable(drain) else {}
+
+
+class WorkerGroup(Protocol):
+    """What the scheduler drives: named workers with slot capacities, stepped in lockstep."""
+    names: list[str]
+    capacities: list[int]
+
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput]: ...
+
+
+class LocalGroup:
+    """Workers in this process (tests, benchmarks, `workers.runtime: inprocess`)."""
+
+    def __init__(self, workers: list[Worker]):
+        self.workers = workers
+        self.names = [w.spec.name for w in workers]
+        self.capacities = [w.spec.slots for w in workers]
+
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput]:
+        return {i: self.workers[i].step(b) for i, b in batches.items()}
+
+
+class RayGroup:
+    """Worker actors; a step submits to all of them first and then waits for all."""
+
+    def __init__(self, placements: list[tuple[WorkerSpec, dict[str, Any]]],
+                 start_timeout_s: float = 600.0):
+        """placements: (spec, Ray actor options: num_cpus, resources, label_selector...)."""
+        import ray
+        actor_cls = ray.remote(Worker)
+        self.actors = [actor_cls.options(**opts).remote(spec) for spec, opts in placements]
+        self.names = [spec.name for spec, _ in placements]
+        self.capacities = [spec.slots for spec, _ in placements]
+        try:  # waits for the model loads; an actor no node can host never starts
+            self.info = ray.get([a.info.remote() for a in self.actors], timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise RuntimeError(f"worker actors did not start within {start_timeout_s:.0f}s; "
+                               f"does a node offer what they ask for? "
+                               f"{[opts for _, opts in placements]}") from None
+
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput]:
+        import ray
+        refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
+        return dict(zip(refs, ray.get(list(refs.values()))))
+
+    def close(self) -> None:
+        import ray
+        for a in self.actors:
+            ray.kill(a)
+
+
+# -- sampling: stateless per (seed, counter), so a token does not depend on the batch ---------
+def _uniform(seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
+    """A float64 in [0, 1) per row from splitmix64(seed * golden + counter)."""
+    with np.errstate(over="ignore"):
+        x = seed.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + counter.astype(np.uint64)
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def sample_rows(logits: np.ndarray, temperature: np.ndarray, top_p: np.ndarray,
+                seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
+    """Next token per row of logits [M, V]: argmax where temperature is 0, else a nucleus
+    (top_p) draw from softmax(logits / T) with the row's own (seed, counter) uniform."""
+    logits = np.asarray(logits, np.float32)
+    out = np.argmax(logits, axis=-1).astype(np.int32)
+    hot = np.flatnonzero(np.asarray(temperature) > 0)
+    if hot.size == 0:
+        return out
+    z = logits[hot].astype(np.float64) / np.asarray(temperature, np.float64)[hot, None]
+    order = np.argsort(-z, axis=-1, kind="stable")  # [m, V] most likely first
+    zs = np.take_along_axis(z, order, axis=-1)
+    p = np.exp(zs - zs[:, :1])
+    p /= p.sum(axis=-1, keepdims=True)
+    before = np.cumsum(p, axis=-1) - p  # mass of the more likely tokens
+    p = np.where(before < np.asarray(top_p, np.float64)[hot, None], p, 0.0)  # keeps >= 1 token
+    cdf = np.cumsum(p, axis=-1)
+    u = _uniform(np.asarray(seed)[hot], np.asarray(counter)[hot]) * cdf[:, -1]
+    pick = np.minimum((cdf <= u[:, None]).sum(axis=-1), p.shape[1] - 1)
+    out[hot] = order[np.arange(hot.size), pick]
+    return out
