@@ -1,0 +1,127 @@
+"""Paged MLA attention on MLX arrays (absorbed form) for the f32, kv8 and tq4 tiers.
+
+Same contract as kernels/cpu/attention.py: planes = LayerPlanes of mx arrays
+(l_codes [nblk, bs, wL], l_scale [nblk, bs], r_codes [nblk, bs, wR], r_scale [nblk, bs]),
+block_tables [B, nb] (-1 = no block), q_lat [B, Q, H, Dl], q_rope [B, Q, H, Dr],
+q_pos [B, Q] (-1 = padding query, output 0); key t of row b is visible to query q iff
+t <= q_pos[b, q]. Returns ctx [B, Q, H, Dl] float32.
+
+The keys are read in chunks of blocks (`chunk_tokens`) with an online softmax, so at most
+one chunk of rows is ever expanded to float32 -- never the whole cache. Per chunk, each
+tier turns its codes into unscaled values V [B, Tc, n] plus one multiplier w [B, Tc]:
+
+    f32   V = the rows, w = 1
+    kv8   V = fp8 table[byte], w = the row's scale            (score = (q.V) w, ctx += (p w) V)
+    tq4   V = the codebook levels, w = radius/sqrtf(n)        in the ROTATED domain: q is
+          rotated once per call, the context is accumulated rotated and unrotated once
+
+Positions outside a row's keys get w = 0 (and V = 0 for f32, whose garbage may be NaN), so
+pool garbage never reaches a sum. A hand-written Metal kernel is not used yet: every call
+is the MLX-op path and is counted in `stats.fallback["paged_attention"]` (see backend.py).
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from kernels.cpu.attention import LayerPlanes
+from kernels.cpu.rotation import rotatable
+from kernels.metal import fp8, rotation, tq4
+from kernels.metal.backend import KernelStats
+from kernels.tiers import Tier, TierError, get_tier
+
+SUPPORTED = ("f32", "fp8", "tq")
+_NEG_INF = mx.array(-math.inf, mx.float32)
+
+
+def _values(tier: Tier, codes: mx.array, scale: mx.array, valid: mx.array, n: int):
+    """A chunk of coded rows -> (V [B, Tc, n] f32 unscaled values, w [B, Tc] multipliers)."""
+    zero = mx.array(0.0, mx.float32)
+    if tier.kind == "f32":
+        return mx.where(valid[..., None], codes, zero), valid.astype(mx.float32)
+    if tier.kind == "fp8":
+        return fp8.table()[codes], mx.where(valid, scale, zero)
+    if not rotatable(n):  # a width tq4 cannot rotate is stored inert: contributes nothing
+        return mx.zeros((*codes.shape[:-1], n), mx.float32), mx.zeros(valid.shape, mx.float32)
+    return tq4.unpack_levels(codes), mx.where(valid, tq4.step(scale, n), zero)
+
+
+def _chunk(tier, planes, idx, valid, ql, qr, qmask, scale, state):
+    """One chunk of the online softmax. idx [B, C] block ids, valid [B, C*bs] key mask,
+    qmask [B, Q, C*bs] causal mask; state = (m [B, QH, 1], l [B, QH, 1], acc [B, QH, Dl])."""
+    B, C = idx.shape
+    bs = planes.l_codes.shape[1]
+    Dl, Dr = ql.shape[-1], qr.shape[-1]
+    lc = planes.l_codes[idx].reshape(B, C * bs, -1)
+    rc = planes.r_codes[idx].reshape(B, C * bs, -1)
+    vl, wl = _values(tier, lc, planes.l_scale[idx].reshape(B, C * bs), valid, Dl)
+    vr, wr = _values(tier, rc, planes.r_scale[idx].reshape(B, C * bs), valid, Dr)
+    s = (ql @ vl.swapaxes(1, 2)) * wl[:, None, :] + (qr @ vr.swapaxes(1, 2)) * wr[:, None, :]
+    s = s * scale  # [B, QH, Tc]
+    QH, Q = ql.shape[1], qmask.shape[1]
+    mask = mx.broadcast_to(qmask[:, :, None, :], (B, Q, QH // Q, C * bs)).reshape(B, QH, -1)
+    s = mx.where(mask, s, _NEG_INF)
+    m, l, acc = state
+    m_new = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+    m_safe = mx.where(mx.isinf(m_new), mx.array(0.0, mx.float32), m_new)  # no key seen yet
+    alpha = mx.exp(m - m_safe)
+    p = mx.exp(s - m_safe)
+    l = l * alpha + mx.sum(p, axis=-1, keepdims=True)
+    acc = acc * alpha + (p * wl[:, None, :]) @ vl
+    return m_new, l, acc
+
+
+def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_lat: mx.array,
+                        q_rope: mx.array, q_pos, scale: float, *,
+                        stats: KernelStats | None = None, chunk_tokens: int = 2048) -> mx.array:
+    """Absorbed MLA attention through block tables on MLX arrays; see the module docstring."""
+    tier = get_tier(tier)
+    if tier.kind not in SUPPORTED:
+        raise TierError(f"{tier.name}: no MLX attention for kind {tier.kind!r}; "
+                        f"use one of f32, kv8, tq4")
+    q_pos = np.asarray(q_pos, np.int64)
+    block_tables = np.asarray(block_tables, np.int32)
+    B, Q, H, Dl = q_lat.shape
+    Dr = q_rope.shape[-1]
+    if (q_pos.shape != (B, Q) or tuple(q_rope.shape[:3]) != (B, Q, H)
+            or block_tables.shape[0] != B or planes.l_codes.shape[-1] != tier.code_width(Dl)
+            or planes.r_codes.shape[-1] != tier.code_width(Dr)):
+        raise ValueError(f"shape mismatch: q_lat {tuple(q_lat.shape)} q_rope "
+                         f"{tuple(q_rope.shape)} q_pos {q_pos.shape} block_tables "
+                         f"{block_tables.shape} l_codes {tuple(planes.l_codes.shape)} "
+                         f"r_codes {tuple(planes.r_codes.shape)} for tier {tier.name}")
+    if stats is not None:
+        stats.count_fallback("paged_attention", "no hand-written Metal attention kernel")
+    n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
+    t_max = int(n_keys.max(initial=0))
+    if t_max <= 0:
+        return mx.zeros((B, Q, H, Dl), mx.float32)
+    bs = planes.l_codes.shape[1]
+    n_blk = min(math.ceil(t_max / bs), block_tables.shape[1])
+    per = max(1, chunk_tokens // bs)
+
+    ql = q_lat.astype(mx.float32).reshape(B, Q * H, Dl)
+    qr = q_rope.astype(mx.float32).reshape(B, Q * H, Dr)
+    rot_l = tier.kind == "tq" and rotatable(Dl)
+    if rot_l:
+        ql = rotation.rotate(ql)
+    if tier.kind == "tq" and rotatable(Dr):
+        qr = rotation.rotate(qr)
+    qp = mx.array(q_pos.astype(np.int32))
+    state = (mx.full((B, Q * H, 1), -math.inf, mx.float32), mx.zeros((B, Q * H, 1), mx.float32),
+             mx.zeros((B, Q * H, Dl), mx.float32))
+    for c0 in range(0, n_blk, per):
+        bt = block_tables[:, c0:min(c0 + per, n_blk)]  # [B, C]
+        t = np.arange(c0 * bs, (c0 + bt.shape[1]) * bs)
+        valid = np.repeat(bt >= 0, bs, axis=1) & (t[None, :] < n_keys[:, None])  # [B, Tc]
+        qmask = mx.array(valid)[:, None, :] & (mx.array(t.astype(np.int32))[None, None, :]
+                                               <= qp[:, :, None])
+        state = _chunk(tier, planes, mx.array(np.maximum(bt, 0)), mx.array(valid), ql, qr,
+                       qmask, scale, state)
+    _, l, acc = state
+    ctx = acc / mx.where(l > 0, l, mx.array(1.0, mx.float32))  # l = 0: padding query -> 0
+    if rot_l:
+        ctx = rotation.unrotate(ctx)
+    return ctx.reshape(B, Q, H, Dl)

@@ -1,0 +1,195 @@
+"""MLX paged attention vs the numpy reference (kernels/cpu/attention.py) and a float64
+decode-then-attend reference, for f32/kv8/tq4, over hostile pools: NaN / 0xFF garbage in
+unused positions, shuffled block tables, ragged slots, padding queries."""
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from kernels.cpu import attention as cpu_attn  # noqa: E402
+from kernels.cpu import codecs as cpu_codecs  # noqa: E402
+from kernels.metal.attention import paged_mla_attention  # noqa: E402
+from kernels.metal.backend import KernelStats  # noqa: E402
+from kernels.tiers import TierError, get_tier  # noqa: E402
+
+TIERS = ["f32", "kv8", "tq4"]
+
+
+def make_pool(rng, tier, lengths, Dl, Dr, bs, extra_blocks=5):
+    """Planes filled with garbage, rows 0..len-1 of each slot written through a shuffled
+    block table; returns (numpy planes, block_tables, the f32 rows L/R per slot)."""
+    tier = get_tier(tier)
+    nb = max(-(-n // bs) for n in lengths) + 1
+    n_blocks = sum(-(-n // bs) for n in lengths) + extra_blocks
+    garbage = np.nan if tier.code_dtype() == "float32" else 0xFF
+    dt = np.dtype(tier.code_dtype())
+    planes = cpu_attn.LayerPlanes(
+        np.full((n_blocks, bs, tier.code_width(Dl)), garbage, dt), np.full((n_blocks, bs), np.nan, np.float32),
+        np.full((n_blocks, bs, tier.code_width(Dr)), garbage, dt), np.full((n_blocks, bs), np.nan, np.float32))
+    ids = rng.permutation(n_blocks)
+    tables = np.full((len(lengths), nb), -1, np.int32)
+    rows, k = [], 0
+    for b, n in enumerate(lengths):
+        need = -(-n // bs)
+        tables[b, :need] = ids[k:k + need]
+        k += need
+        L = (rng.standard_normal((n, Dl)) * rng.uniform(0.2, 3, (n, 1))).astype(np.float32)
+        R = rng.standard_normal((n, Dr)).astype(np.float32)
+        t = np.arange(n)
+        blk, off = tables[b, t // bs], t % bs
+        planes.l_codes[blk, off], planes.l_scale[blk, off] = cpu_codecs.encode_rows(tier, L)
+        planes.r_codes[blk, off], planes.r_scale[blk, off] = cpu_codecs.encode_rows(tier, R)
+        if tier.kind == "f32":  # the pool keeps a scale plane of ones for f32
+            planes.l_scale[blk, off] = planes.r_scale[blk, off] = 1.0
+        rows.append((L, R))
+    return planes, tables, rows
+
+
+def to_mx(planes):
+    return cpu_attn.LayerPlanes(*(mx.array(a) for a in (planes.l_codes, planes.l_scale,
+                                                       planes.r_codes, planes.r_scale)))
+
+
+def reference64(tier, planes, tables, q_lat, q_rope, q_pos, scale):
+    """Decode each slot's visible rows with the numpy codec, attend in float64."""
+    B, Q, H, Dl = q_lat.shape
+    Dr = q_rope.shape[-1]
+    bs = planes.l_codes.shape[1]
+    out = np.zeros((B, Q, H, Dl))
+    for b in range(B):
+        for q in range(Q):
+            n = q_pos[b, q] + 1
+            if n <= 0:
+                continue
+            t = np.arange(n)
+            blk, off = tables[b, t // bs], t % bs
+            L = cpu_codecs.decode_rows(tier, planes.l_codes[blk, off], planes.l_scale[blk, off], Dl)
+            R = cpu_codecs.decode_rows(tier, planes.r_codes[blk, off], planes.r_scale[blk, off], Dr)
+            s = (q_lat[b, q].astype(np.float64) @ L.T.astype(np.float64)
+                 + q_rope[b, q].astype(np.float64) @ R.T.astype(np.float64)) * scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, q] = (p / p.sum(-1, keepdims=True)) @ L.astype(np.float64)
+    return out
+
+
+def check_close(got, ref, rtol=1e-5):
+    got = np.asarray(got, np.float64)
+    assert got.shape == ref.shape
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and not np.isnan(ref).any()
+    scale = np.abs(ref).max(axis=-1, keepdims=True) + 1e-30
+    rel = np.abs(got - ref) / scale
+    assert rel.max() <= rtol, f"max relative error {rel.max():.3g} > {rtol}"
+    zero = np.abs(ref).max(axis=-1) == 0
+    assert np.all(np.abs(got).max(axis=-1)[zero] == 0)
+
+
+def queries(rng, lengths, Q, H, Dl, Dr, pad=True):
+    B = len(lengths)
+    q_lat = rng.standard_normal((B, Q, H, Dl)).astype(np.float32)
+    q_rope = rng.standard_normal((B, Q, H, Dr)).astype(np.float32)
+    q_pos = np.array([[n - Q + j for j in range(Q)] for n in lengths], np.int64)
+    if pad and Q > 1:
+        q_pos[0, 0] = -1  # a padding query
+    return q_lat, q_rope, q_pos
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("bs", [16, 4])
+def test_ragged_decode_matches_numpy(tier, bs):
+    rng = np.random.default_rng(1 + bs)
+    lengths = [37, 1, 130, 64, 5]
+    Dl, Dr, H = 128, 32, 4
+    planes, tables, _ = make_pool(rng, tier, lengths, Dl, Dr, bs)
+    q_lat, q_rope, q_pos = queries(rng, lengths, 1, H, Dl, Dr)
+    scale = 0.11
+    stats = KernelStats()
+    got = paged_mla_attention(tier, to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope),
+                              q_pos, scale, stats=stats, chunk_tokens=32)
+    check_close(got, reference64(tier, planes, tables, q_lat, q_rope, q_pos, scale))
+    cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, tables, q_lat, q_rope, q_pos, scale)
+    check_close(got, cpu.astype(np.float64))
+    assert stats.fallback["paged_attention"] == 1
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_prefill_chunk_causal_with_padding(tier):
+    rng = np.random.default_rng(5)
+    lengths = [50, 23]
+    Dl, Dr, H, Q = 64, 16, 3, 7
+    planes, tables, _ = make_pool(rng, tier, lengths, Dl, Dr, 8)
+    q_lat, q_rope, q_pos = queries(rng, lengths, Q, H, Dl, Dr)
+    got = paged_mla_attention(tier, to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope),
+                              q_pos, 0.3, chunk_tokens=16)
+    ref = reference64(tier, planes, tables, q_lat, q_rope, q_pos, 0.3)
+    check_close(got, ref)
+    assert np.all(np.array(got)[0, 0] == 0)  # the padding query
+
+
+def test_chunk_size_does_not_change_the_result_beyond_rounding():
+    rng = np.random.default_rng(8)
+    lengths = [300, 77]
+    planes, tables, _ = make_pool(rng, "tq4", lengths, 128, 32, 16)
+    q_lat, q_rope, q_pos = queries(rng, lengths, 1, 2, 128, 32)
+    a = paged_mla_attention("tq4", to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope), q_pos, 0.1, chunk_tokens=16)
+    b = paged_mla_attention("tq4", to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope), q_pos, 0.1, chunk_tokens=4096)
+    check_close(a, np.array(b).astype(np.float64))
+
+
+def test_large_logits_do_not_overflow():
+    rng = np.random.default_rng(9)
+    lengths = [40]
+    planes, tables, _ = make_pool(rng, "kv8", lengths, 64, 16, 16)
+    q_lat, q_rope, q_pos = queries(rng, lengths, 1, 2, 64, 16)
+    q_lat *= 200  # scores in the thousands: a naive exp overflows
+    got = paged_mla_attention("kv8", to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope), q_pos, 1.0, chunk_tokens=16)
+    check_close(got, reference64("kv8", planes, tables, q_lat, q_rope, q_pos, 1.0))
+
+
+def test_all_padding_gives_zeros_and_bad_shapes_are_named():
+    rng = np.random.default_rng(3)
+    planes, tables, _ = make_pool(rng, "f32", [4], 16, 8, 4)
+    q = mx.array(rng.standard_normal((1, 1, 2, 16)).astype(np.float32))
+    qr = mx.array(rng.standard_normal((1, 1, 2, 8)).astype(np.float32))
+    out = paged_mla_attention("f32", to_mx(planes), tables, q, qr, np.full((1, 1), -1), 1.0)
+    assert np.all(np.array(out) == 0)
+    with pytest.raises(ValueError, match="q_pos"):
+        paged_mla_attention("f32", to_mx(planes), tables, q, qr, np.zeros((2, 1)), 1.0)
+    with pytest.raises(TierError, match="polar3"):
+        paged_mla_attention("polar3", to_mx(planes), tables, q, qr, np.zeros((1, 1)), 1.0)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_mlx_pool_matches_numpy_pool(tier):
+    """Same writes into kvstore.pool.KVPool and the MLX pool: identical coded rows, attention
+    within 1e-5, for a ragged decode step and a prefill chunk; truncate/free are inherited."""
+    from kernels.metal.pool import MLXKVPool
+    from kvstore.pool import KVPool
+    rng = np.random.default_rng(21)
+    Dl, Dr, H = 64, 16, 2
+    pools = [cls(2, Dl, Dr, tier, n_blocks=40, block_size=8, max_slots=4) for cls in (KVPool, MLXKVPool)]
+    slots = [p.alloc_slot() for p in pools for _ in range(3)][:3]
+    lengths = {slots[0]: 45, slots[1]: 3, slots[2]: 17}
+    for s, n in lengths.items():
+        L = rng.standard_normal((n, Dl)).astype(np.float32)
+        R = rng.standard_normal((n, Dr)).astype(np.float32)
+        for p in pools:
+            p.write(1, [s] * n, np.arange(n), L, R)
+    for s, n in lengths.items():
+        a, b = pools[0].read_rows(s, 1), pools[1].read_rows(s, 1)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    # ragged decode (one query per slot) and a prefill chunk of the first slot in one batch
+    q_slots = np.array([slots[1], slots[0], slots[2], slots[0], slots[0]])
+    q_posn = np.array([2, 44, 16, 40, 41])
+    ql = rng.standard_normal((5, H, Dl)).astype(np.float32)
+    qr = rng.standard_normal((5, H, Dr)).astype(np.float32)
+    ref = pools[0].attend(1, q_slots, q_posn, ql, qr, 0.2)
+    got = pools[1].attend(1, q_slots, q_posn, mx.array(ql), mx.array(qr), 0.2)
+    check_close(np.array(got), ref.astype(np.float64))
+    assert pools[1].stats.fallback["paged_attention"] == 1
+    assert pools[0].bytes_in_use() == pools[1].bytes_in_use() > 0
+    for p in pools:
+        p.truncate(slots[0], 20)
+        p.free_slot(slots[1])
+    assert pools[0].bytes_in_use() == pools[1].bytes_in_use()
+    assert pools[1].length(slots[0]) == 20 and pools[1].free_slots() == 2
