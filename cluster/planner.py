@@ -129,6 +129,15 @@ def assign_experts(capacities: Sequence[int], expert_bytes: int, experts: np.nda
     return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, pinned)
 
 
+def split_experts(fp: Footprint, capacities: Sequence[int], experts: str | WeightFormat = "bf16",
+                  usage: np.ndarray | None = None) -> ExpertAssignment:
+    """Expert-parallel split for the runtime: every routed (layer, expert) of `fp` to exactly
+    one of the workers, whose free bytes for experts are `capacities` (e.g. DevicePlan
+    free_bytes + pinned_bytes of a plan); most used first into the biggest free budget."""
+    order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
+    return assign_experts(capacities, fp.expert_bytes(experts), order)
+
+
 @dataclass(frozen=True)
 class DevicePlan:
     device: DeviceBudget
@@ -178,6 +187,11 @@ class Plan:
     devices: tuple[DevicePlan, ...]
     host: np.ndarray = field(repr=False)  # [n, 2] experts pinned nowhere
 
+    @property
+    def warnings(self) -> list[str]:
+        limit = self.footprint.config.max_position_embeddings
+        return [f"ctx {self.ctx} exceeds the model's max_position_embeddings {limit}"] if self.ctx > limit else []
+
     def to_dict(self) -> dict:
         fp, layers = self.footprint, self.footprint.moe_layers
         return {
@@ -190,6 +204,7 @@ class Plan:
             "kv_bytes_per_token": fp.kv_bytes_per_token(self.tier),
             "index_bytes_per_token": fp.index_bytes_per_token,
             "devices": [d.to_dict(layers) for d in self.devices],
+            "warnings": self.warnings,
         }
 
 
@@ -233,8 +248,7 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
                 f"{gb(dev.capacity)}; longest context per tier: {longest}")
         fixed.append((kv, idx, sh))
         rooms.append(dev.capacity - dense - kv - idx - sh)
-    order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
-    a = assign_experts(rooms, eb, order)
+    a = split_experts(fp, rooms, fmt, usage)
     host = a.experts[~a.pinned]
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),

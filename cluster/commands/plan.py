@@ -82,17 +82,22 @@ def run(args: argparse.Namespace) -> int:
         fleet = Fleet.from_file(args.config)
         fp = _footprint(args.model_config or fleet.model_path())
         d = fleet.plan
-        free = _free(args.free_gb)
-        budgets = device_budgets(fleet, lambda spec: free[spec.name] if spec.name in free else free_bytes(spec),
-                                 slots=args.slots)
+        free, probed = _free(args.free_gb), []
+
+        def measure(spec):
+            if spec.name in free:
+                return free[spec.name]
+            probed.append(spec.name)
+            return free_bytes(spec)  # on this machine: a remote node's runtime measures there
+
+        budgets = device_budgets(fleet, measure, slots=args.slots)
         p = plan(fp, budgets, tier=args.kv or d.kv, ctx=args.ctx or d.ctx, experts=args.experts or d.experts,
                  usage=_usage(args.usage), shadow_floor_bytes=round(d.shadow_floor_gb * GB))
     except (FleetError, PlanError, ProbeError) as e:
         raise UsageError(str(e)) from None
-    if args.json:
-        print(json.dumps(p.to_dict(), indent=2))
-    else:
-        print(_table(p.to_dict()))
+    out = p.to_dict()
+    out["measured_here"] = probed
+    print(json.dumps(out, indent=2) if args.json else _table(out))
     return 0
 
 
@@ -144,4 +149,7 @@ def _table(d: dict) -> str:
             f"{v['pinned_experts']:>8}{g(v['pinned_expert_bytes']):>8}{g(v['free_bytes']):>8}  {ctxs}")
     lines.append(f"experts: {d['pinned_experts']} of {d['routed_experts']} pinned on devices, "
                  f"{d['host_experts']} served from host memory")
+    if d["measured_here"]:
+        lines.append(f"free memory of 'auto' devices measured on this machine: {', '.join(d['measured_here'])}")
+    lines += [f"warning: {w}" for w in d["warnings"]]
     return "\n".join(lines)

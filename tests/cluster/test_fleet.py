@@ -109,3 +109,15 @@ def test_cli_plan_auto_and_errors(tmp_path, capsys):
     bad = write(tmp_path, "nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: b, kind: cpu, memory: lots}\n")
     assert main(["plan", "--config", str(bad)]) == 2
     assert "nodes.1.memory" in capsys.readouterr().err
+
+
+def test_memory_probe(monkeypatch):
+    from cluster import memory_probe
+    spec = Fleet.from_dict({"nodes": [{"name": "h", "kind": "cpu", "memory": "auto"},
+                                      {"name": "g", "kind": "cuda", "memory": "auto"}]}).devices()
+    assert memory_probe.free_bytes(spec[0]) > 0
+    monkeypatch.setattr(memory_probe.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(memory_probe.shutil, "which", lambda name: None)
+    with pytest.raises(memory_probe.ProbeError, match="cuda device 0: neither cupy nor nvidia-smi"):
+        memory_probe.free_bytes(spec[1])
+    assert memory_probe.host_available() > 0  # /proc/meminfo without psutil

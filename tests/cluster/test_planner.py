@@ -12,7 +12,7 @@ import pytest
 from cluster.cli import main
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.planner import (BLOCK, GB, DeviceBudget, PlanError, assign_experts, expert_order,
-                             max_context, plan)
+                             max_context, plan, split_experts)
 
 CARDS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
@@ -230,3 +230,23 @@ def test_plan_rejects_bad_inputs():
     with pytest.raises(ValueError, match="unknown KV tier"):
         plan(fp, [DeviceBudget("a", "cpu", 900 * GB)], tier="kv4", ctx=16)
     assert math.isclose(fp.expert_bytes("int4") / (3 * 2048 * 7168), 0.5625)
+
+
+def test_split_experts_for_the_runtime():
+    fp = card("glm-5.2")
+    eb = fp.expert_bytes("fp8")
+    caps = [100 * eb + 7, 3000 * eb, 0]
+    a = split_experts(fp, caps, "fp8")
+    assert len(a.experts) == fp.routed_experts == 19_456
+    assert np.bincount(a.owner[a.pinned], minlength=3).tolist() == [100, 3000, 0]
+    shards = [set(map(tuple, a.shard(w).tolist())) for w in range(3)]
+    assert sum(map(len, shards)) == 19_456 and len(set().union(*shards)) == 19_456  # exactly one owner each
+    # the unpinned remainder is spread so that the budgets (going negative) stay level
+    left = np.array(caps) - np.bincount(a.owner, minlength=3) * eb
+    assert left.max() - left.min() <= eb + 7
+
+
+def test_ctx_past_max_position_warns():
+    p = plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=200_000)
+    assert p.to_dict()["warnings"] == ["ctx 200000 exceeds the model's max_position_embeddings 163840"]
+    assert plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=4096).warnings == []
