@@ -1,0 +1,138 @@
+"""`kvfleet kv inspect FILE` and `kvfleet kv convert IN OUT --to TIER [--format arrow|coli]`.
+
+Both read either on-disk format (kvfleet's Arrow stream or the C engine's `.coli_kv`),
+told apart by their first bytes. `inspect` prints the header, the record count and what a
+loader would do with the file (torn tail, repaired rows, and, with --model/--tier, whether
+that model would resume it). `convert` rewrites the records in another format and/or tier
+(same tier: a byte copy of the records; f32 -> quantized: encode_rows; otherwise decode then
+encode, which is lossy); the output is written atomically.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cluster.cli import UsageError
+from kernels.tiers import TIERS, TierError, get_tier, tier_from_tag
+from kvstore import coli, disk
+from kvstore.fingerprint import Fingerprint, HeaderError, plan_load, tier_label
+from kvstore.records import RecordLayout, requantize
+
+SUFFIX_FORMAT = {".coli_kv": "coli", ".arrow": "arrow", ".arrows": "arrow", ".kvarrow": "arrow"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("kv", help="inspect and convert on-disk KV caches")
+    kv = p.add_subparsers(dest="kv_command", required=True, metavar="ACTION")
+    ins = kv.add_parser("inspect", help="print a KV cache file's header and health")
+    ins.add_argument("file")
+    ins.add_argument("--model", help="model dir or config.json: also say whether it would resume")
+    ins.add_argument("--tier", choices=sorted(TIERS), help="running tier for the --model check")
+    ins.set_defaults(func=inspect_cmd)
+    cv = kv.add_parser("convert", help="rewrite a KV cache in another format and/or tier")
+    cv.add_argument("input")
+    cv.add_argument("output")
+    cv.add_argument("--to", required=True, choices=sorted(TIERS), help="tier of the output")
+    cv.add_argument("--format", choices=["arrow", "coli"],
+                    help="output format (default: from the output suffix .arrow / .coli_kv)")
+    cv.set_defaults(func=convert_cmd)
+
+
+def open_any(path: str):
+    """(format name, CacheFile opened with the file's own model and tier, loaded records)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    try:
+        if head.startswith(b"COLIKV"):
+            fmt, cls = "coli", coli.ColiKVFile
+            version, fp, nrec, tag, size = coli.read_header(path)
+            tier = tier_from_tag(version, tag)
+            rec = RecordLayout(fp, tier).record_bytes
+            whole = (size - coli.HEADER_BYTES) // rec
+            if nrec > whole:
+                raise UsageError(f"{path}: impossible header: nrec={nrec} but the file holds only "
+                                 f"{whole} complete records ({size} bytes, {rec} bytes per record); "
+                                 f"a loader would keep {whole}")
+        elif head.startswith(b"\xff\xff\xff\xff"):
+            fmt, cls = "arrow", disk.ArrowKVFile
+            version, tag, fp, _ = disk.read_header(path)
+            tier = tier_from_tag(version, tag)
+        else:
+            raise UsageError(f"{path}: not a KV cache (starts with {head!r}; expected a kvfleet "
+                             f"Arrow KV stream or a .coli_kv file with magic COLIKV1/2/3)")
+    except (HeaderError, TierError) as e:
+        raise UsageError(f"{path}: {e}" if path not in str(e) else str(e)) from None
+    f = cls(path, fp, tier)
+    recs = f.load()
+    return fmt, f, recs
+
+
+def inspect_cmd(args) -> int:
+    fmt, f, recs = open_any(args.file)
+    t, fp = f.tier, f.fp
+    size = os.path.getsize(args.file)
+    print(f"file:         {args.file}")
+    print(f"format:       {fmt} ({'Arrow IPC stream' if fmt == 'arrow' else 'C engine .coli_kv'})")
+    print(f"tier:         {tier_label(t)}  tag {t.tag:#x}")
+    print(f"model:        {fp.describe()}")
+    print(f"record bytes: {f.layout.record_bytes}  ({t.token_bytes(fp.kv_lora, fp.rope)} per layer)")
+    print(f"records:      {len(recs)}")
+    print(f"file bytes:   {size}")
+    if fmt == "arrow":
+        print(f"batches:      {len(f._bounds) - 1}")
+    if len(recs):
+        shown = " ".join(map(str, recs.tokens[:8].tolist())) + (" ..." if len(recs) > 8 else "")
+        print(f"tokens:       {shown}")
+        bad_tok = int(((recs.tokens < 0) | (recs.tokens >= max(fp.vocab, 1))).sum()) if fp.vocab else 0
+        print(f"tokens outside vocab: {bad_tok}")
+        if t.quantized:
+            s = np.concatenate([recs.l_scale.ravel(), recs.r_scale.ravel()])
+            print(f"scales:       min {s.min():.4g}  max {s.max():.4g}  zero {int((s == 0).sum())}")
+        else:
+            x = np.concatenate([recs.l_codes.ravel(), recs.r_codes.ravel()])
+            print(f"non-finite values: {int((~np.isfinite(x)).sum())}")
+    print(f"health:       {f.message or 'ok'}")
+    if args.model:
+        return _model_check(args, f)
+    return 0
+
+
+def _model_check(args, f) -> int:
+    from workers.config import ConfigError, ModelConfig
+    path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
+    try:
+        model_fp = Fingerprint.from_config(ModelConfig.from_file(path))
+    except (ConfigError, OSError) as e:
+        raise UsageError(f"--model {args.model}: {e}") from None
+    tier = get_tier(args.tier or f.tier.name)
+    plan = plan_load(f.path, f.tier.version, f.tier.tag, f.fp, model_fp, tier)
+    print(f"resume with {tier.name}: {plan.action}" + (f" ({plan.message})" if plan.message else ""))
+    if plan.action == "reject":
+        raise UsageError(plan.message)
+    return 0
+
+
+def convert_cmd(args) -> int:
+    fmt = args.format or SUFFIX_FORMAT.get(os.path.splitext(args.output)[1])
+    if fmt is None:
+        raise UsageError(f"{args.output}: cannot tell the output format from its suffix; "
+                         f"pass --format arrow|coli")
+    src_fmt, src, recs = open_any(args.input)
+    if src.message:
+        print(f"note: {src.message}")
+    dst_tier = get_tier(args.to)
+    if src.tier.quantized and dst_tier != src.tier:
+        print(f"note: {src.tier.name} -> {dst_tier.name} decodes and re-encodes (lossy)")
+    try:
+        out = requantize(recs, src.tier, dst_tier, src.fp)
+    except TierError as e:
+        raise UsageError(f"--to {args.to}: {e}") from None
+    cls = disk.ArrowKVFile if fmt == "arrow" else coli.ColiKVFile
+    dst = cls(args.output, src.fp, dst_tier)
+    dst.rewrite(out)
+    print(f"wrote {len(out)} records ({dst_tier.name}, {fmt}) to {args.output} "
+          f"({os.path.getsize(args.output)} bytes; from {src_fmt} {src.tier.name})")
+    return 0

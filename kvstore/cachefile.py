@@ -1,0 +1,198 @@
+"""The life of one on-disk KV cache file, shared by the Arrow and `.coli_kv` formats.
+
+    f = ArrowKVFile(path, fingerprint, tier)      # or ColiKVFile
+    recs = f.load()        # KVRecords to put in the pool (maybe empty); f.message says why
+    f.append(new, start)   # records for positions [start, start+len(new)), durable on return
+    f.truncate(n)          # keep the first n records (the prompt's prefix shrank)
+
+`load` applies the rules of kvstore/fingerprint.py plan_load. The file is never modified by
+`load`: a torn tail is only cut off (self-heal) when the file is next opened for writing, a
+v1 file being upgraded and a rejected file are only replaced, atomically (write a temp file,
+fsync, rename, fsync the directory), by the next `append`. Appends are durable when
+`append` returns: the format's commit point (an fsync'd Arrow batch, the fsync'd `.coli_kv`
+nrec word) has been written. A crash at any moment leaves a file that loads as a prefix of
+what was appended, never a partial record.
+
+Subclasses implement the byte format: `_read` (header + the good record prefix),
+`_write_new` (a whole file), `_append` (one durable append at the current end), `_cut`
+(drop records after n, at a commit boundary the subclass chooses).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.tiers import Tier, get_tier
+from kvstore.fingerprint import Fingerprint, HeaderError, LoadPlan, plan_load
+from kvstore.records import KVRecords, RecordLayout, requantize, sanitize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FileContents:
+    """What `_read` found: header words and the records up to the last good commit."""
+    version: int
+    tag: int
+    fp: Fingerprint
+    raw: np.ndarray | None  # uint8 [n, record_bytes] of the good prefix; None if not decodable
+    good_end: int  # byte offset where the good prefix ends
+    file_size: int
+    note: str | None = None  # e.g. what was cut from a torn tail
+
+
+class CacheFile:
+    """Base class; see the module docstring. Not thread-safe; one writer per file (slots.py)."""
+
+    suffix = ""
+
+    def __init__(self, path: str | os.PathLike, fp: Fingerprint, tier: Tier | str):
+        self.path = os.fspath(path)
+        self.fp, self.tier = fp, get_tier(tier)
+        self.layout = RecordLayout(fp, self.tier)
+        self.message: str | None = None
+        self.plan: LoadPlan | None = None
+        self._mode = "unloaded"  # new | replace | upgrade | append
+        self._kept: KVRecords | None = None  # upgraded records awaiting their rewrite
+        self._n = 0  # records on disk (append mode)
+        self._heal_to: int | None = None
+
+    # ---- public ---------------------------------------------------------------------
+    def load(self) -> KVRecords:
+        """Read the file under the load rules; returns the records to resume from."""
+        self._kept, self._heal_to, self._n, self.message = None, None, 0, None
+        if not os.path.exists(self.path):
+            self._mode = "new"
+            return self.layout.empty()
+        try:
+            c = self._read()
+        except HeaderError as e:
+            return self._start_clean(f"{e}; starting clean; the next save replaces it")
+        self.plan = plan_load(self.path, c.version, c.tag, c.fp, self.fp, self.tier)
+        if self.plan.action == "reject":
+            return self._start_clean(self.plan.message)
+        recs = RecordLayout(c.fp, self.plan.file_tier).unpack(c.raw)
+        notes = [c.note] if c.note else []
+        if self.plan.action == "upgrade":
+            recs = requantize(recs, self.plan.file_tier, self.tier, self.fp)
+            self._mode, self._kept = "upgrade", recs
+            notes.insert(0, self.plan.message)
+        else:
+            self._mode, self._n = "append", len(recs)
+            if c.good_end < c.file_size:
+                self._heal_to = c.good_end
+        fixed = sanitize(self.tier, recs)
+        if fixed:
+            notes.append(f"{self.path}: {fixed} rows with invalid scales or codes zeroed")
+        self._say(notes)
+        return recs
+
+    def append(self, recs: KVRecords, start: int | None = None) -> int:
+        """Save records for positions [start, start + len(recs)); returns records on disk.
+
+        start defaults to the current end; start < end first truncates (prefix shrank)."""
+        if self._mode == "unloaded":
+            self.load()
+        self.layout.check(recs)
+        end = self.length()
+        start = end if start is None else start
+        if not 0 <= start <= end:
+            raise ValueError(f"{self.path}: append at record {start=} leaves a gap "
+                             f"(the file holds {end} records)")
+        if self._mode in ("new", "replace", "upgrade"):
+            full = recs if self._kept is None or start == 0 else KVRecords.concat(
+                [self._kept.slice(0, start), recs])
+            self.rewrite(full)
+            return self._n
+        self._heal()
+        if start < self._n:
+            self._cut(start)
+            self._n = start
+        if len(recs):
+            self._append(self.layout.pack(recs), self._n)
+            self._n += len(recs)
+        return self._n
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first n records (durable on return)."""
+        if self._mode == "unloaded":
+            self.load()
+        if not 0 <= n <= self.length():
+            raise ValueError(f"{self.path}: truncate to {n=} records, file holds {self.length()}")
+        if self._mode == "upgrade":
+            self._kept = self._kept.slice(0, n)
+        elif self._mode == "append" and n < self._n:
+            self._heal()
+            self._cut(n)
+            self._n = n
+
+    def rewrite(self, recs: KVRecords) -> None:
+        """Replace the whole file, atomically, by exactly `recs` (kv convert, compaction)."""
+        self._replace(self.layout.pack(recs))
+        self._mode, self._kept, self._n, self._heal_to = "append", None, len(recs), None
+
+    def length(self) -> int:
+        """Records that the next append continues from."""
+        if self._mode == "upgrade":
+            return len(self._kept)
+        return self._n if self._mode == "append" else 0
+
+    # ---- helpers --------------------------------------------------------------------
+    def _start_clean(self, message: str) -> KVRecords:
+        self._mode = "replace"
+        self._say([message])
+        return self.layout.empty()
+
+    def _say(self, notes: list[str]) -> None:
+        self.message = "; ".join(notes) if notes else None
+        if self.message:
+            log.warning("%s", self.message)
+
+    def _heal(self) -> None:
+        if self._heal_to is not None:
+            log.warning("%s: self-heal: cutting torn tail at byte %d", self.path, self._heal_to)
+            with open(self.path, "r+b") as f:
+                f.truncate(self._heal_to)
+                os.fsync(f.fileno())
+            self._heal_to = None
+
+    def _replace(self, packed: np.ndarray) -> None:
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        try:
+            self._write_new(tmp, packed)
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        fsync_dir(self.path)
+
+    # ---- format -----------------------------------------------------------------------
+    def _read(self) -> FileContents:
+        raise NotImplementedError
+
+    def _write_new(self, path: str, packed: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _append(self, packed: np.ndarray, start: int) -> None:
+        raise NotImplementedError
+
+    def _cut(self, n: int) -> None:
+        raise NotImplementedError
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]

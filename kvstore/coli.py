@@ -1,0 +1,132 @@
+"""The C engine's raw `.coli_kv` cache file, read and written byte-compatibly.
+
+    offset  size  field
+    0       8     magic "COLIKV1\\0" (f32) | "COLIKV2\\0" (kv8) | "COLIKV3\\0" (tq / polar)
+    8       4     int32 n_layers          (all header words little-endian int32)
+    12      4     int32 kv_lora
+    16      4     int32 rope
+    20      4     int32 index_hd          (0 without DSA)
+    24      4     int32 n_indexer_layers
+    28      4     int32 vocab
+    32      4     int32 nrec              the commit word: records [0, nrec) are valid
+    36      4     int32 tag               0 f32, 1 kv8, v3: codec << 8 | bits
+    40      ...   nrec records, each RecordLayout.record_bytes (kvstore/records.py):
+                  int32 token; per layer L codes [f32 L scale] R codes [f32 R scale];
+                  per indexer layer index_hd float32
+
+The writer appends records after the last committed one, fsyncs, then writes nrec and
+fsyncs again, so a crash leaves at most uncommitted bytes past nrec, which the next open
+for writing cuts off. A reader stops at the first short record (nrec = records read).
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from kvstore.cachefile import CacheFile, FileContents, fsync_dir, write_all
+from kernels.tiers import TierError, tier_from_tag
+from kvstore.fingerprint import Fingerprint, HeaderError
+from kvstore.records import RecordLayout
+
+MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
+HEADER_BYTES = 40
+NREC_OFFSET = 32
+
+
+def header_bytes(version: int, fp: Fingerprint, nrec: int, tag: int) -> bytes:
+    magic = next(m for m, v in MAGICS.items() if v == version)
+    return magic + struct.pack("<8i", *fp.words(), nrec, tag)
+
+
+def read_header(path: str) -> tuple[int, Fingerprint, int, int, int]:
+    """(version, fingerprint, nrec, tag, file size); HeaderError naming the file otherwise."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if head[:6] != b"COLIKV" or head[:8] not in MAGICS:
+        raise HeaderError(f"{path}: not a .coli_kv cache (magic {head[:8]!r}, want "
+                          f"b'COLIKV1\\x00'/b'COLIKV2\\x00'/b'COLIKV3\\x00')")
+    if len(head) < HEADER_BYTES:
+        raise HeaderError(f"{path}: .coli_kv header truncated ({size} bytes, need {HEADER_BYTES})")
+    h = struct.unpack("<8i", head[8:])
+    fp = Fingerprint.from_words(h[:6], path)
+    if h[6] < 0:
+        raise HeaderError(f"{path}: impossible header: nrec={h[6]} is negative")
+    return MAGICS[head[:8]], fp, h[6], h[7], size
+
+
+class ColiKVFile(CacheFile):
+    suffix = ".coli_kv"
+    _fix_nrec: int | None = None  # set by _read when the commit word must be rewritten
+
+    def _read(self) -> FileContents:
+        version, fp, nrec, tag, size = read_header(self.path)
+        c = FileContents(version, tag, fp, None, HEADER_BYTES, size)
+        self._fix_nrec = None
+        try:
+            rec = RecordLayout(fp, tier_from_tag(version, tag)).record_bytes
+        except TierError:
+            return c  # unknown tier: plan_load rejects it before the records are needed
+        whole = (size - HEADER_BYTES) // rec
+        n = min(nrec, whole)
+        if n < nrec:
+            c.note = (f"{self.path}: header says {nrec} records but only {n} are complete; "
+                      f"keeping {n}")
+        c.raw = np.fromfile(self.path, np.uint8, count=n * rec, offset=HEADER_BYTES).reshape(n, rec)
+        c.good_end = HEADER_BYTES + n * rec
+        if n < nrec or c.good_end < size:
+            self._fix_nrec = n  # the heal also rewrites the commit word
+        return c
+
+    def _heal(self) -> None:
+        fix = self._fix_nrec
+        if self._heal_to is not None and fix is not None:
+            with open(self.path, "r+b") as f:
+                f.seek(NREC_OFFSET)
+                f.write(struct.pack("<i", fix))
+                f.flush()
+                os.fsync(f.fileno())
+        self._fix_nrec = None
+        super()._heal()
+
+    def _write_new(self, path: str, packed: np.ndarray) -> None:
+        t = self.tier
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, header_bytes(t.version, self.fp, len(packed), t.tag))
+            write_all(fd, packed.view(np.uint8))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _append(self, packed: np.ndarray, start: int) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.lseek(fd, HEADER_BYTES + start * self.layout.record_bytes, os.SEEK_SET)
+            write_all(fd, packed.view(np.uint8))
+            os.fsync(fd)
+            os.pwrite(fd, struct.pack("<i", start + len(packed)), NREC_OFFSET)  # the commit
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _cut(self, n: int) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, struct.pack("<i", n), NREC_OFFSET)  # commit the shorter length first
+            os.fsync(fd)
+            os.ftruncate(fd, HEADER_BYTES + n * self.layout.record_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_coli(path: str, fp: Fingerprint, tier, packed: np.ndarray) -> None:
+    """Write a whole `.coli_kv` file atomically from packed records (kv convert)."""
+    f = ColiKVFile(path, fp, tier)
+    tmp = f"{path}.tmp{os.getpid()}"
+    f._write_new(tmp, packed)
+    os.replace(tmp, path)
+    fsync_dir(path)

@@ -1,0 +1,225 @@
+"""kvfleet's on-disk KV cache: an append-only Arrow IPC *stream* file.
+
+The file is a schema message followed by one record batch message per append, each
+fsync'd; there is no end-of-stream marker (the stream is never closed, only appended to),
+so `pyarrow.ipc.open_stream` reads it as is, and pandas/polars can read it for analysis.
+
+Schema (two non-null columns, one row per cached token):
+
+    token   int32
+    record  fixed_size_binary(record_bytes - 4): the record of kvstore/records.py minus its
+            token, i.e. per layer L codes, [f32 L scale], R codes, [f32 R scale] (scales for
+            v2/v3 only), then per indexer layer index_hd float32; all little-endian. These
+            are the `.coli_kv` record bytes, so conversion is a byte copy.
+
+Schema metadata (utf-8 strings):
+
+    kvfleet.kv_cache      "arrow-1" (this container's layout version)
+    kvfleet.version       "1" f32 | "2" kv8 | "3" tq/polar (the .coli_kv magic number)
+    kvfleet.tag           the .coli_kv tag: 0 f32, 1 kv8, codec << 8 | bits for v3
+    kvfleet.tier          tier name (informational; version + tag decide)
+    kvfleet.fingerprint   JSON {n_layers, kv_lora, rope, index_hd, n_indexer_layers, vocab}
+    kvfleet.record_bytes  bytes of one full record (token included)
+
+Batch custom metadata (in each batch's IPC message):
+
+    kvfleet.start   index of the batch's first record; must equal the records before it
+    kvfleet.crc32   zlib.crc32 of: int64 start, int64 num_rows (little-endian), the token
+                    column's bytes, the record column's bytes
+
+Reading keeps batches while they decode, continue the record count and match their crc;
+the first one that does not (a torn write, a flipped byte) ends the good prefix, and the
+next open for writing truncates the file there (self-heal).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from functools import cached_property
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from kvstore.cachefile import CacheFile, FileContents, write_all
+from kvstore.fingerprint import FIELDS, Fingerprint, HeaderError
+
+CONTAINER = "arrow-1"
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def make_schema(version: int, tag: int, tier_name: str, fp: Fingerprint, record_bytes: int) -> pa.Schema:
+    meta = {"kvfleet.kv_cache": CONTAINER, "kvfleet.version": str(version),
+            "kvfleet.tag": str(tag), "kvfleet.tier": tier_name,
+            "kvfleet.fingerprint": json.dumps(dict(zip(FIELDS, fp.words()))),
+            "kvfleet.record_bytes": str(record_bytes)}
+    return pa.schema([pa.field("token", pa.int32(), nullable=False),
+                      pa.field("record", pa.binary(record_bytes - 4), nullable=False)], metadata=meta)
+
+
+def parse_schema(schema: pa.Schema, path: str) -> tuple[int, int, Fingerprint, int]:
+    """(version, tag, fingerprint, record_bytes) from a kvfleet schema; HeaderError otherwise."""
+    meta = {k.decode(errors="replace"): v.decode(errors="replace")
+            for k, v in (schema.metadata or {}).items()}
+    if meta.get("kvfleet.kv_cache") != CONTAINER:
+        raise HeaderError(f"{path}: an Arrow stream but not a kvfleet KV cache "
+                          f"(kvfleet.kv_cache={meta.get('kvfleet.kv_cache')!r})")
+    try:
+        version, tag = int(meta["kvfleet.version"]), int(meta["kvfleet.tag"])
+        fpd = json.loads(meta["kvfleet.fingerprint"])
+        words = [fpd[k] for k in FIELDS]
+        record_bytes = int(meta["kvfleet.record_bytes"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise HeaderError(f"{path}: KV cache schema metadata unreadable ({e!r})") from None
+    fp = Fingerprint.from_words(words, path)
+    ok = (record_bytes > 4 and [f.name for f in schema] == ["token", "record"]
+          and schema.field(0).type == pa.int32() and schema.field(1).type == pa.binary(record_bytes - 4))
+    if not ok:
+        raise HeaderError(f"{path}: KV cache columns {schema.types} do not match "
+                          f"record_bytes={record_bytes}")
+    return version, tag, fp, record_bytes
+
+
+def read_header(path: str) -> tuple[int, int, Fingerprint, int]:
+    """(version, tag, fingerprint, record_bytes) of an Arrow KV cache; HeaderError otherwise."""
+    with pa.memory_map(path) as src:
+        return parse_schema(_open(src, path).schema, path)
+
+
+def _open(src, path: str) -> ipc.RecordBatchStreamReader:
+    try:
+        return ipc.open_stream(src)
+    except (pa.ArrowException, OSError) as e:
+        raise HeaderError(f"{path}: not an Arrow IPC stream KV cache ({e})") from None
+
+
+def batch_crc(start: int, tokens: np.ndarray, payload: np.ndarray) -> int:
+    crc = zlib.crc32(struct.pack("<qq", start, len(tokens)))
+    return zlib.crc32(payload, zlib.crc32(tokens, crc))
+
+
+class ArrowKVFile(CacheFile):
+    suffix = ".arrow"
+
+    @cached_property
+    def schema(self) -> pa.Schema:
+        t = self.tier
+        return make_schema(t.version, t.tag, t.name, self.fp, self.layout.record_bytes)
+
+    @cached_property
+    def _schema_message(self) -> bytes:
+        sink = pa.BufferOutputStream()
+        ipc.new_stream(sink, self.schema).close()
+        data = sink.getvalue().to_pybytes()
+        assert data.endswith(_EOS)
+        return data[:-len(_EOS)]
+
+    def _batch_message(self, packed: np.ndarray, start: int) -> pa.Buffer:
+        n, rec = len(packed), self.layout.record_bytes
+        tokens = np.ascontiguousarray(packed["token"])
+        payload = np.ascontiguousarray(packed.view(np.uint8).reshape(n, rec)[:, 4:])
+        record = pa.FixedSizeBinaryArray.from_buffers(pa.binary(rec - 4), n, [None, pa.py_buffer(payload)])
+        batch = pa.record_batch([pa.array(tokens), record], schema=self.schema)
+        meta = {"kvfleet.start": str(start), "kvfleet.crc32": str(batch_crc(start, tokens, payload))}
+        sink = pa.BufferOutputStream()
+        with ipc.new_stream(sink, self.schema) as w:
+            w.write_batch(batch, custom_metadata=meta)
+        buf, head = sink.getvalue(), self._schema_message
+        # The stream writer has no "batch only" mode: strip its schema prefix and EOS suffix.
+        assert buf[:len(head)].to_pybytes() == head and buf[-8:].to_pybytes() == _EOS
+        return buf.slice(len(head), buf.size - len(head) - len(_EOS))
+
+    def _read(self) -> FileContents:
+        with open(self.path, "rb") as f:
+            data = f.read()
+        src = pa.BufferReader(data)
+        reader = _open(src, self.path)
+        version, tag, fp, rec = parse_schema(reader.schema, self.path)
+        c = FileContents(version, tag, fp, None, src.tell(), len(data))
+        self._bounds = [(0, c.good_end)]  # (records, byte offset) at each commit
+        parts, n, why = [], 0, None
+        while True:
+            try:
+                batch, meta = reader.read_next_batch_with_custom_metadata()
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as e:
+                why = f"unreadable batch ({str(e).splitlines()[0][:120]})"
+                break
+            raw, why = self._check_batch(batch, meta, n, rec)
+            if raw is None:
+                break
+            parts.append(raw)
+            n += len(raw)
+            self._bounds.append((n, src.tell()))
+        c.good_end = self._bounds[-1][1]
+        c.raw = np.concatenate(parts) if parts else np.zeros((0, rec), np.uint8)
+        if c.good_end < c.file_size:
+            c.note = (f"{self.path}: torn or corrupt tail after record {n} "
+                      f"({c.file_size - c.good_end} bytes from byte {c.good_end}"
+                      f"{': ' + why if why else ''}); kept {n} records")
+        return c
+
+    @staticmethod
+    def _check_batch(batch, meta, n: int, rec: int):
+        """uint8 [rows, rec] of a good batch, or (None, why)."""
+        try:
+            start, crc = int(meta[b"kvfleet.start"]), int(meta[b"kvfleet.crc32"])
+        except (KeyError, TypeError, ValueError):
+            return None, "batch without kvfleet.start/crc32"
+        if start != n:
+            return None, f"batch kvfleet.start={start}, expected {n}"
+        tok, col = batch.column(0), batch.column(1)
+        if tok.null_count or col.null_count or col.type.byte_width != rec - 4:
+            return None, "batch with nulls or wrong record width"
+        rows, (tbuf, pbuf) = batch.num_rows, (tok.buffers()[1], col.buffers()[1])
+        if (tbuf is None or pbuf is None or tbuf.size < (tok.offset + rows) * 4
+                or pbuf.size < (col.offset + rows) * (rec - 4)):
+            return None, "batch buffers shorter than its row count"
+        tokens = np.frombuffer(tbuf, np.int32, rows, tok.offset * 4)
+        payload = np.frombuffer(pbuf, np.uint8, rows * (rec - 4), col.offset * (rec - 4))
+        if batch_crc(start, tokens, payload) != crc:
+            return None, "checksum mismatch"
+        raw = np.empty((rows, rec), np.uint8)
+        raw[:, :4] = tokens.view(np.uint8).reshape(rows, 4)
+        raw[:, 4:] = payload.reshape(rows, rec - 4)
+        return raw, None
+
+    def _write_new(self, path: str, packed: np.ndarray) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            head = self._schema_message
+            write_all(fd, head)
+            self._bounds = [(0, len(head))]
+            if len(packed):
+                msg = self._batch_message(packed, 0)
+                write_all(fd, msg)
+                self._bounds.append((len(packed), len(head) + msg.size))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _append(self, packed: np.ndarray, start: int) -> None:
+        msg = self._batch_message(packed, start)
+        end = self._bounds[-1][1]
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.lseek(fd, end, os.SEEK_SET)
+            write_all(fd, msg)
+            os.fsync(fd)  # the commit: a complete batch with a matching crc
+        finally:
+            os.close(fd)
+        self._bounds.append((start + len(packed), end + msg.size))
+
+    def _cut(self, n: int) -> None:
+        keep = max(i for i, (recs, _) in enumerate(self._bounds) if recs <= n)
+        recs_at, byte_at = self._bounds[keep]
+        tail = self._read().raw[recs_at:n] if recs_at < n else None  # re-append part of a batch
+        with open(self.path, "r+b") as f:
+            f.truncate(byte_at)
+            os.fsync(f.fileno())
+        self._bounds = self._bounds[:keep + 1]
+        if tail is not None:
+            self._append(np.ascontiguousarray(tail).reshape(-1).view(self.layout.dtype), recs_at)

@@ -1,0 +1,206 @@
+"""KV records as plain numpy arrays, and the byte layout of one record on disk.
+
+A record is one token's cache across all layers. `KVRecords` holds a range of them:
+
+    tokens      [T] int32
+    l_codes     [layers, T, wL]   tier code dtype (float32 for f32, uint8 otherwise)
+    l_scale     [layers, T]       float32 (ones for f32)
+    r_codes     [layers, T, wR]
+    r_scale     [layers, T]
+    index_rows  [n_indexer_layers, T, index_hd] float32, or None without DSA
+
+with wL/wR = tier.code_width(kv_lora / rope). The pool adapter copies these to and from
+its planes (KVPool.read_rows / write_coded).
+
+One record on disk (both formats; little-endian, packed, no padding):
+
+    int32 token
+    for each layer:  L codes  (tier.row_bytes(kv_lora) bytes)
+                     L scale  float32            -- kv8/tq/polar only (v2/v3)
+                     R codes  (tier.row_bytes(rope) bytes)
+                     R scale  float32            -- kv8/tq/polar only
+    for each indexer layer: index_hd float32     -- DSA models only
+
+This is exactly the C engine's `.coli_kv` record; the Arrow format stores the same bytes
+minus the token (see kvstore/disk.py), so conversion between the two is a byte copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from kernels.tiers import Tier, get_tier
+from kvstore.fingerprint import Fingerprint
+
+F32_MAX = np.float32(3.4e38)
+
+
+@dataclass
+class KVRecords:
+    tokens: np.ndarray
+    l_codes: np.ndarray
+    l_scale: np.ndarray
+    r_codes: np.ndarray
+    r_scale: np.ndarray
+    index_rows: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def slice(self, start: int, stop: int) -> "KVRecords":
+        idx = None if self.index_rows is None else self.index_rows[:, start:stop]
+        return KVRecords(self.tokens[start:stop], self.l_codes[:, start:stop],
+                         self.l_scale[:, start:stop], self.r_codes[:, start:stop],
+                         self.r_scale[:, start:stop], idx)
+
+    @staticmethod
+    def concat(parts: list["KVRecords"]) -> "KVRecords":
+        idx = (None if parts[0].index_rows is None
+               else np.concatenate([p.index_rows for p in parts], axis=1))
+        return KVRecords(np.concatenate([p.tokens for p in parts]),
+                         np.concatenate([p.l_codes for p in parts], axis=1),
+                         np.concatenate([p.l_scale for p in parts], axis=1),
+                         np.concatenate([p.r_codes for p in parts], axis=1),
+                         np.concatenate([p.r_scale for p in parts], axis=1), idx)
+
+
+class RecordLayout:
+    """The packed record of one (model fingerprint, tier); packs/unpacks KVRecords."""
+
+    def __init__(self, fp: Fingerprint, tier: Tier | str):
+        self.fp, self.tier = fp, get_tier(tier)
+        self.wl, self.wr = self.tier.code_width(fp.kv_lora), self.tier.code_width(fp.rope)
+
+    @cached_property
+    def dtype(self) -> np.dtype:
+        code = np.dtype("<f4") if self.tier.kind == "f32" else np.dtype("u1")
+        fields = [("token", "<i4")]
+        for i in range(self.fp.n_layers):
+            fields.append((f"l{i}", code, (self.wl,)))
+            if self.tier.quantized:
+                fields.append((f"ls{i}", "<f4"))
+            fields.append((f"r{i}", code, (self.wr,)))
+            if self.tier.quantized:
+                fields.append((f"rs{i}", "<f4"))
+        if self.fp.index_hd:
+            fields.append(("index", "<f4", (self.fp.n_indexer_layers, self.fp.index_hd)))
+        dt = np.dtype(fields)
+        assert dt.itemsize == self.record_bytes, (dt.itemsize, self.record_bytes)
+        return dt
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record, token included."""
+        return (4 + self.fp.n_layers * self.tier.token_bytes(self.fp.kv_lora, self.fp.rope)
+                + 4 * self.fp.n_indexer_layers * self.fp.index_hd)
+
+    def empty(self) -> KVRecords:
+        return self.allocate(0)
+
+    def allocate(self, n: int) -> KVRecords:
+        code = self.tier.code_dtype()
+        nl = self.fp.n_layers
+        idx = (np.zeros((self.fp.n_indexer_layers, n, self.fp.index_hd), np.float32)
+               if self.fp.index_hd else None)
+        return KVRecords(np.zeros(n, np.int32), np.zeros((nl, n, self.wl), code),
+                         np.ones((nl, n), np.float32), np.zeros((nl, n, self.wr), code),
+                         np.ones((nl, n), np.float32), idx)
+
+    def check(self, recs: KVRecords) -> None:
+        """Shapes and dtypes of `recs` against this layout; errors name the field."""
+        t, nl, code = len(recs), self.fp.n_layers, np.dtype(self.tier.code_dtype())
+        want = {"tokens": ((t,), np.int32), "l_codes": ((nl, t, self.wl), code),
+                "l_scale": ((nl, t), np.float32), "r_codes": ((nl, t, self.wr), code),
+                "r_scale": ((nl, t), np.float32)}
+        if self.fp.index_hd:
+            want["index_rows"] = ((self.fp.n_indexer_layers, t, self.fp.index_hd), np.float32)
+        elif recs.index_rows is not None:
+            raise ValueError(f"index_rows given but the model has no DSA indexer ({self.fp.describe()})")
+        for name, (shape, dtype) in want.items():
+            a = getattr(recs, name)
+            if a is None or a.shape != shape or a.dtype != dtype:
+                got = None if a is None else (a.shape, a.dtype)
+                raise ValueError(f"KVRecords.{name}: got {got}, want {(shape, np.dtype(dtype))} "
+                                 f"for tier {self.tier.name}")
+
+    def pack(self, recs: KVRecords) -> np.ndarray:
+        """KVRecords -> structured array [T] of self.dtype (view as bytes for the file)."""
+        self.check(recs)
+        out = np.empty(len(recs), self.dtype)
+        out["token"] = recs.tokens
+        for i in range(self.fp.n_layers):  # one vectorized copy per field, not per row
+            out[f"l{i}"] = recs.l_codes[i]
+            out[f"r{i}"] = recs.r_codes[i]
+            if self.tier.quantized:
+                out[f"ls{i}"] = recs.l_scale[i]
+                out[f"rs{i}"] = recs.r_scale[i]
+        if self.fp.index_hd:
+            out["index"] = recs.index_rows.transpose(1, 0, 2)
+        return out
+
+    def unpack(self, raw: np.ndarray) -> KVRecords:
+        """Structured array (or uint8 [T, record_bytes]) -> KVRecords (fresh arrays)."""
+        if raw.dtype != self.dtype:
+            raw = np.ascontiguousarray(raw, np.uint8).reshape(-1).view(self.dtype)
+        recs = self.allocate(len(raw))
+        recs.tokens[:] = raw["token"]
+        for i in range(self.fp.n_layers):
+            recs.l_codes[i] = raw[f"l{i}"]
+            recs.r_codes[i] = raw[f"r{i}"]
+            if self.tier.quantized:
+                recs.l_scale[i] = raw[f"ls{i}"]
+                recs.r_scale[i] = raw[f"rs{i}"]
+        if self.fp.index_hd:
+            recs.index_rows[:] = raw["index"].transpose(1, 0, 2)
+        return recs
+
+
+def sanitize(tier: Tier | str, recs: KVRecords) -> int:
+    """Repair rows a loader must not trust, in place; returns how many rows were touched.
+
+    kv8: a scale outside (0, 3.4e38) (NaN too) -> row codes 0, scale 1; codes 0x7F/0xFF
+    (the e4m3fn NaNs) -> 0. tq/polar: a radius outside [0, 3.4e38) -> 0. f32: untouched.
+    """
+    tier = get_tier(tier)
+    touched = 0
+    if tier.kind == "fp8":
+        for codes, scale in ((recs.l_codes, recs.l_scale), (recs.r_codes, recs.r_scale)):
+            bad = ~((scale > 0) & (scale < F32_MAX))
+            codes[bad] = 0
+            scale[bad] = 1.0
+            nan_code = (codes & 0x7F) == 0x7F
+            codes[nan_code] = 0
+            touched += int(bad.sum()) + int(nan_code.any(axis=-1)[~bad].sum())
+    elif tier.kind in ("tq", "polar"):
+        for scale in (recs.l_scale, recs.r_scale):
+            bad = ~((scale >= 0) & (scale < F32_MAX))
+            scale[bad] = 0.0
+            touched += int(bad.sum())
+    return touched
+
+
+def requantize(recs: KVRecords, src: Tier | str, dst: Tier | str, fp: Fingerprint) -> KVRecords:
+    """Recode records from tier `src` to `dst` (decode to f32, then encode_rows).
+
+    f32 -> quantized is the v1 upgrade; quantized -> other tiers is lossy (used by convert).
+    """
+    src, dst = get_tier(src), get_tier(dst)
+    if src == dst:
+        return recs
+    from kernels.cpu.codecs import decode_rows, encode_rows  # written by the codecs helper
+
+    def f32(codes, scale, n):
+        return codes if src.kind == "f32" else decode_rows(src, codes, scale, n)
+
+    def enc(x):
+        if dst.kind == "f32":
+            return np.ascontiguousarray(x, np.float32), np.ones(x.shape[:-1], np.float32)
+        codes, scale = encode_rows(dst, np.ascontiguousarray(x, np.float32))
+        return codes.astype(np.uint8, copy=False), scale.astype(np.float32, copy=False)
+
+    lc, ls = enc(f32(recs.l_codes, recs.l_scale, fp.kv_lora))
+    rc, rs = enc(f32(recs.r_codes, recs.r_scale, fp.rope))
+    return KVRecords(recs.tokens.copy(), lc, ls, rc, rs,
+                     None if recs.index_rows is None else recs.index_rows.copy())

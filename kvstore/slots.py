@@ -1,0 +1,89 @@
+"""Slot cache files under one cache directory, one writer per file.
+
+    files = SlotFiles(cache_dir, fingerprint, tier, fmt="arrow")   # or "coli"
+    with files.open("user-42/chat") as f:     # f is an ArrowKVFile / ColiKVFile
+        recs = f.load()
+        ...
+        f.append(new_records)
+
+A slot name becomes a file name by `slot_filename`: characters outside [A-Za-z0-9._-] turn
+into "_", leading dots are dropped, long names are cut, and whenever the name had to change
+a short hash of the original is appended, so two different names never share a file and no
+name can leave the directory. Each file is guarded by an exclusive `fcntl.flock` on a
+sidecar "<file>.lock" (not on the data file, which an atomic rewrite replaces); a second
+writer, in this process or another, gets SlotBusyError naming the file and the holder's pid.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+from contextlib import contextmanager
+
+from kernels.tiers import Tier
+from kvstore.cachefile import CacheFile
+from kvstore.coli import ColiKVFile
+from kvstore.disk import ArrowKVFile
+from kvstore.fingerprint import Fingerprint
+
+FORMATS: dict[str, type[CacheFile]] = {"arrow": ArrowKVFile, "coli": ColiKVFile}
+MAX_STEM = 80
+
+
+class SlotBusyError(RuntimeError):
+    """Another writer holds the slot file's lock."""
+
+
+def slot_filename(name: str, suffix: str) -> str:
+    """A safe, collision-free file name for slot `name`."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:MAX_STEM]
+    if stem != name or not stem:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        stem = f"{stem or 'slot'}-{digest}"
+    return stem + suffix
+
+
+class SlotLock:
+    """An exclusive, non-blocking flock on `path`.lock; released by close()."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise SlotBusyError(f"{path}: KV cache file is in use by another writer (pid {holder}); "
+                                f"stop that process or use another --kv-cache-dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+
+class SlotFiles:
+    def __init__(self, cache_dir: str | os.PathLike, fp: Fingerprint, tier: Tier | str,
+                 fmt: str = "arrow"):
+        if fmt not in FORMATS:
+            raise ValueError(f"KV cache format {fmt=} must be one of {sorted(FORMATS)}")
+        self.dir, self.fp, self.tier, self.cls = os.fspath(cache_dir), fp, tier, FORMATS[fmt]
+        os.makedirs(self.dir, exist_ok=True)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, slot_filename(name, self.cls.suffix))
+
+    @contextmanager
+    def open(self, name: str):
+        """The slot's cache file, locked for writing while the context is open."""
+        path = self.path(name)
+        lock = SlotLock(path)
+        try:
+            yield self.cls(path, self.fp, self.tier)
+        finally:
+            lock.close()
