@@ -8,8 +8,9 @@ integers; "GB" in configs and output means 1e9 bytes (the C engine's table does 
     capacity = memory - reserve        (memory = the device's size, or its free memory for "auto")
     used     = dense + kv_pool + index + shadow + pinned experts  <=  capacity
 
-So an "auto" device gets free memory minus the reserve minus the shadow projection for its
-pinned experts, as the design asks.
+For an "auto" device that is the design's budget: free memory minus the reserve minus the
+shadow projection is what the dense weights, the pool and the pinned experts may use.
+`host_experts` of a device counts the experts no device of the fleet pins.
 
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
