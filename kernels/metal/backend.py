@@ -67,6 +67,7 @@ class KernelStats:
     launches, `fallback[name]` counts calls served by the MLX-op path instead."""
     native: Counter = field(default_factory=Counter)
     fallback: Counter = field(default_factory=Counter)
+    _since_drain: Counter = field(default_factory=Counter)
     _logged: bool = False
 
     def count_native(self, kernel: str) -> None:
@@ -74,6 +75,7 @@ class KernelStats:
 
     def count_fallback(self, kernel: str, reason: str) -> None:
         self.fallback[kernel] += 1
+        self._since_drain[kernel] += 1
         if not self._logged:
             self._logged = True
             log.info("metal: %s runs on the MLX-op path (%s); further fallbacks are only "
@@ -82,6 +84,11 @@ class KernelStats:
     def fallback_count(self) -> int:
         """Total fallbacks, all kernels together (what the metrics export)."""
         return sum(self.fallback.values())
+
+    def drain_fallbacks(self) -> dict[str, int]:
+        """Fallbacks per kernel since the previous drain (what a worker step reports)."""
+        out, self._since_drain = dict(self._since_drain), Counter()
+        return out
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {"native": dict(self.native), "fallback": dict(self.fallback)}
