@@ -118,7 +118,11 @@ class Footprint:
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.cached_layers) if self.config.is_moe_layer(i))
+        """Cached layers with routed experts. An MTP layer has the MLP kind of the last main
+        layer (MoE in DeepSeek-V3, GLM-5 and their checkpoints' layer 61 / 78)."""
+        n = self.config.num_hidden_layers
+        mtp_moe = self.config.is_moe_layer(n - 1)
+        return tuple(i for i in range(self.cached_layers) if (self.config.is_moe_layer(i) if i < n else mtp_moe))
 
     @property
     def routed_experts(self) -> int:

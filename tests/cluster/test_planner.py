@@ -82,6 +82,9 @@ def test_indexer_layers_follow_indexshare():
     g52 = card("glm-5.2")
     want = (0, 1, 2, *range(6, 78, 4), 78)
     assert g52.indexer_layers == want and len(want) == 22
+    # MoE layers 3..77 plus the MTP layer 78 (mlp_layer_types lists only the 78 main layers)
+    assert g52.moe_layers == tuple(range(3, 79)) and card("deepseek-v3").moe_layers == tuple(range(3, 62))
+    assert card("kimi-k2").moe_layers == tuple(range(1, 61))
     raw = json.loads((CARDS / "glm-5.2.json").read_text())
     del raw["indexer_types"]  # the index_topk_freq / index_skip_topk_offset rule gives the same
     assert Footprint.from_dict(raw).indexer_layers == want
