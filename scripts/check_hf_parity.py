@@ -1,6 +1,6 @@
 """Check kvfleet's numpy model against the `transformers` DeepseekV3 implementation.
 
-    python scripts/check_hf_parity.py [--variant base|yarn|no_q_lora|half_rope|tied ...] [--tokens N]
+    python scripts/check_hf_parity.py [--variant base|yarn|...|v2_grouped ...] [--tokens N]
 
 Builds a small DeepseekV3ForCausalLM (GLM-5 latent widths: kv_lora_rank 512, rope 64),
 re-initializes its weights with unit-scale values (the library's 0.02 init makes logits
@@ -22,11 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("base", "yarn", "no_q_lora", "half_rope", "tied")
+VARIANTS = ("base", "yarn", "no_q_lora", "half_rope", "tied", "eps", "v2_greedy", "v2_grouped", "glm")
 
 
 def hf_config(variant: str):
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, GlmMoeDsaConfig
     kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
               n_routed_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.5, kv_lora_rank=512,
@@ -45,14 +45,32 @@ def hf_config(variant: str):
         kw["rope_interleave"] = False
     elif variant == "tied":
         kw["tie_word_embeddings"] = True
+    elif variant == "eps":  # a large rms_norm_eps shows which norms read it
+        kw["rms_norm_eps"] = 0.05
+    elif variant == "glm":  # GLM-5 architecture; index_topk > tokens, so DSA keeps every key
+        for k in ("rope_interleave", "num_key_value_heads"):
+            kw.pop(k)
+        kw.update(n_group=1, topk_group=1, rms_norm_eps=1e-5, index_topk=2048, index_head_dim=128,
+                  index_n_heads=4, head_dim=64, mlp_layer_types=["dense", "sparse", "sparse"])
+        return GlmMoeDsaConfig(**kw, num_key_value_heads=4)
+    elif variant.startswith("v2_"):  # softmax routers (transformers' V2 ignores norm_topk_prob)
+        for k in ("rope_interleave", "kv_lora_rank"):
+            kw.pop(k)
+        kw.update(kv_lora_rank=512, routed_scaling_factor=1.0, norm_topk_prob=False,
+                  topk_method="greedy", n_group=None, topk_group=None)
+        if variant == "v2_grouped":
+            kw.update(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)
+        return DeepseekV2Config(**kw)
     return DeepseekV3Config(**kw)
 
 
 def build_hf_model(variant: str, seed: int):
     import torch
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(hf_config(variant)).float().eval()
+    cls = (DeepseekV2ForCausalLM if variant.startswith("v2_") else
+           GlmMoeDsaForCausalLM if variant == "glm" else DeepseekV3ForCausalLM)
+    model = cls(hf_config(variant)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):

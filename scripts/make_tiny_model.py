@@ -8,7 +8,8 @@ text) and generation_config.json. Latent widths are GLM-5's (kv_lora_rank 512,
 qk_rope_head_dim 64); everything else is small. Same seed and variants -> same bytes.
 
 Variants (combine freely): no_q_lora, softmax, softmax_grouped, yarn, tied, multi_eos,
-half_rope (rope_interleave false), sharded, f32 (weights stored as float32).
+half_rope (rope_interleave false), sharded, f32 (weights stored as float32), glm
+(model_type glm_moe_dsa with mlp_layer_types, a large rms_norm_eps, DSA index_* keys).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from workers.safetensors_io import save_file  # noqa: E402
 from workers.weights import name_table  # noqa: E402
 
 VARIANTS = ("no_q_lora", "softmax", "softmax_grouped", "yarn", "tied", "multi_eos",
-            "half_rope", "sharded", "f32")
+            "half_rope", "sharded", "f32", "glm")
 SPECIALS = ["<|bos|>", "<|eos|>", "<|eot|>", "<|user|>", "<|assistant|>"]
 VOCAB = 512
 
@@ -74,6 +75,10 @@ def base_config(variants: set[str]) -> dict:
         cfg["eos_token_id"] = [1, 2]
     if "half_rope" in variants:
         cfg["rope_interleave"] = False
+    if "glm" in variants:
+        cfg.update(model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"], rms_norm_eps=0.05,
+                   mlp_layer_types=["dense", "sparse", "dense"], first_k_dense_replace=None,
+                   n_group=1, topk_group=1, index_n_heads=4, index_head_dim=32, index_topk=2048)
     if "f32" in variants:
         cfg["torch_dtype"] = "float32"
     return cfg

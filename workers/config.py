@@ -39,7 +39,7 @@ FAMILY: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"routed_scaling_factor": 2.5},
     "kimi_k2": {"routed_scaling_factor": 2.5},
     "glm_moe_dsa": {"routed_scaling_factor": 2.5},
-    "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy",
+    "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "n_shared_experts": 2,
                     "norm_topk_prob": False, "n_group": 1, "topk_group": 1},
 }
 SCORING = ("sigmoid", "softmax")
@@ -96,6 +96,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     bos_token_id: int | None
+    mlp_layer_types: tuple[str, ...] | None = None  # "dense" / "sparse" per layer (glm_moe_dsa)
     eos_token_ids: tuple[int, ...] = field(default=())
     source: str = "<dict>"
 
@@ -104,6 +105,8 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.mlp_layer_types is not None:  # GLM-MoE-DSA spells the schedule out
+            return self.mlp_layer_types[i] == "sparse"
         return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 
     @classmethod
@@ -207,6 +210,15 @@ def _eos(v: Any, source: str) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _layer_types(v: Any, n_layers: Any, source: str) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != n_layers or any(t not in ("dense", "sparse") for t in v):
+        raise _err(source, "mlp_layer_types", v,
+                   f"must list 'dense' or 'sparse' for each of the {n_layers} layers")
+    return tuple(v)
+
+
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     model_type = raw.get("model_type", "deepseek_v3")
     for name in REQUIRED:
@@ -252,6 +264,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         attention_bias=bool(d["attention_bias"]),
         bos_token_id=_int(d, "bos_token_id", source, lo=0, optional=True),
         eos_token_ids=_eos(d.get("eos_token_id"), source),
+        mlp_layer_types=_layer_types(d.get("mlp_layer_types"), d.get("num_hidden_layers"), source),
         source=source,
     )
     _check(cfg)

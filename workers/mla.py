@@ -9,6 +9,10 @@ kv_b_proj [H*(Dn+Dv), Dl] holds per head W_UK [Dn, Dl] then W_UV [Dv, Dl]. Absor
     ctx   = softmax((q_lat.L_t + q_rope.R_t) * scale) . L   (pool.attend)
     out   = o_proj(ctx . W_UV^T)                # [N, H, Dv] -> [N, hidden]
 which equals materializing per-head keys [k_nope = W_UK L_t, R_t] and values W_UV L_t.
+
+q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says: transformers
+(DeepseekV3, GlmMoeDsa) and DeepSeek's reference build them with the default eps; only the
+per-layer and final norms read rms_norm_eps (GLM-5 sets it to 1e-5).
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import numpy as np
 from workers.config import ModelConfig
 from workers.norm import rms_norm
 from workers.rope import Rope
+
+LATENT_NORM_EPS = 1e-6
 
 
 class MLA:
@@ -36,13 +42,13 @@ class MLA:
             qa = x @ p["q_a"].T
             if "q_a_bias" in p:
                 qa = qa + p["q_a_bias"]
-            q = rms_norm(qa, p["q_a_norm"], c.rms_norm_eps) @ p["q_b"].T
+            q = rms_norm(qa, p["q_a_norm"], LATENT_NORM_EPS) @ p["q_b"].T
         q = q.reshape(len(x), c.num_attention_heads, c.qk_head_dim)
         q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         kv = x @ p["kv_a"].T
         if "kv_a_bias" in p:
             kv = kv + p["kv_a_bias"]
-        L = rms_norm(kv[:, :c.kv_lora_rank], p["kv_a_norm"], c.rms_norm_eps)
+        L = rms_norm(kv[:, :c.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
         R = self.rope.apply(kv[:, c.kv_lora_rank:], cos, sin)
         return q_nope, self.rope.apply(q_rope, cos, sin), L, R
 

@@ -124,13 +124,13 @@ def reference_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
         p = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
         h = _rms(x, p("input_layernorm.weight"), eps)
         if c.get("q_lora_rank"):
-            q = _rms(h @ p("self_attn.q_a_proj.weight").T, p("self_attn.q_a_layernorm.weight"), eps)
+            q = _rms(h @ p("self_attn.q_a_proj.weight").T, p("self_attn.q_a_layernorm.weight"), 1e-6)
             q = q @ p("self_attn.q_b_proj.weight").T
         else:
             q = h @ p("self_attn.q_proj.weight").T
         q = q.reshape(T, nh, dn + dr)
         kv = h @ p("self_attn.kv_a_proj_with_mqa.weight").T
-        lat = _rms(kv[:, :kvr], p("self_attn.kv_a_layernorm.weight"), eps)
+        lat = _rms(kv[:, :kvr], p("self_attn.kv_a_layernorm.weight"), 1e-6)  # latent norms: fixed eps
         kb = (lat @ p("self_attn.kv_b_proj.weight").T).reshape(T, nh, dn + dv)
         k_rope = _rotate(kv[:, kvr:], ang, c.get("rope_interleave", True)) * att
         q_rope = _rotate(q[..., dn:], ang, c.get("rope_interleave", True)) * att
@@ -143,7 +143,8 @@ def reference_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
         o = np.einsum("hqk,khd->qhd", pr, kb[..., dn:]).reshape(T, nh * dv)
         x = x + o @ p("self_attn.o_proj.weight").T
         h = _rms(x, p("post_attention_layernorm.weight"), eps)
-        if i < c.get("first_k_dense_replace", 0):
+        dense = c["mlp_layer_types"][i] == "dense" if c.get("mlp_layer_types") else i < c.get("first_k_dense_replace", 0)
+        if dense:
             m = (_silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
         else:
             m = np.zeros_like(h)

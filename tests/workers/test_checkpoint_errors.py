@@ -88,6 +88,7 @@ def test_missing_shard_and_missing_weights(tiny, tmp_path):
     ("scoring_func", "relu", "scoring_func='relu' must be one of"),
     ("kv_lora_rank", "512", "kv_lora_rank='512' must be an integer"),
     ("rope_scaling", {"type": "dynamic", "factor": 2}, "rope_type='dynamic' is not supported"),
+    ("mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types=.* must list 'dense' or 'sparse'"),
 ])
 def test_bad_config_value_names_field_and_file(tiny, tmp_path, field, value, match):
     d = tmp_path / "c"
@@ -127,6 +128,12 @@ def test_family_defaults_and_unknown_keys(tiny):
     v2 = ModelConfig.from_dict({**raw, "model_type": "deepseek_v2", "n_group": 1, "topk_group": 1})
     assert (v2.scoring_func, v2.topk_method, v2.norm_topk_prob) == ("softmax", "greedy", False)
     assert ModelConfig.from_dict({**raw, "eos_token_id": [1, 2]}).eos_token_ids == (1, 2)
+
+
+def test_glm_layer_schedule_and_indexer_keys(tiny):
+    cfg = ModelConfig.from_file(tiny("glm"))
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    assert (cfg.model_type, cfg.index_n_heads, cfg.index_topk, cfg.rms_norm_eps) == ("glm_moe_dsa", 4, 2048, 0.05)
 
 
 def test_bf16_storage_reads_exactly(tmp_path):

@@ -9,7 +9,7 @@ from mla_reference import reference_logits
 from workers.model import Model
 
 VARIANTS = [(), ("no_q_lora",), ("softmax",), ("softmax_grouped",), ("yarn",), ("tied",),
-            ("multi_eos",), ("half_rope",), ("sharded",), ("f32",),
+            ("multi_eos",), ("half_rope",), ("sharded",), ("f32",), ("glm",),
             ("no_q_lora", "half_rope", "yarn", "tied")]
 IDS = [5, 300, 17, 42, 511, 0, 99, 250, 7, 123, 64, 1, 480, 33]
 
