@@ -63,7 +63,7 @@ def _per_token(scales: np.ndarray) -> np.ndarray:
 
 def _fp8_levels(codes: np.ndarray) -> np.ndarray:
     """Unscaled table values [..., T, n]; the per-row scale is applied after the dot."""
-    return fp8.DECODE_TABLE[codes]
+    return fp8.table_values(codes)
 
 
 def _fp8_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -83,7 +83,7 @@ def _fp8_context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -
 
 def _tq_levels(codes: np.ndarray) -> np.ndarray:
     """Codebook levels [..., T, n] (one [256, 2] table gather per byte), unscaled."""
-    return tq4.PAIR_LEVELS[codes].reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+    return tq4.unpack_levels(codes)
 
 
 def _tq_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -41,6 +41,28 @@ def _decode_table() -> np.ndarray:
 DECODE_TABLE = _decode_table()
 
 
+def _pair_words() -> np.ndarray:
+    """[65536] uint64: entry k holds the float32 values of the two bytes that the uint16 k
+    has in memory, so a gather through codes.view(uint16) decodes two bytes at once (about
+    twice as fast in numpy as DECODE_TABLE[codes]); built from the memory order, so it is
+    endian-independent."""
+    two = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(65536, 2)
+    words = DECODE_TABLE[two].copy().view(np.uint64).reshape(65536)
+    words.setflags(write=False)
+    return words
+
+
+_PAIR_WORDS = _pair_words()
+
+
+def table_values(codes: np.ndarray) -> np.ndarray:
+    """DECODE_TABLE[codes] for codes[..., n] uint8 (unscaled float32 [..., n])."""
+    codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    if codes.shape[-1] % 2 or codes.ndim == 0:
+        return DECODE_TABLE[codes]
+    return _PAIR_WORDS[codes.view(np.uint16)].view(np.float32)
+
+
 def enc(f: np.ndarray) -> np.ndarray:
     """The contract's enc() of float32 values (already multiplied by inv) -> uint8 codes."""
     f = np.ascontiguousarray(f, dtype=np.float32)
@@ -117,4 +139,6 @@ def _encode_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """codes[R, n] uint8, scales[R] -> float32 rows (table value times the row scale)."""
-    return DECODE_TABLE[codes] * np.asarray(scales, dtype=np.float32)[:, None]
+    out = table_values(codes)
+    out *= np.asarray(scales, dtype=np.float32)[:, None]
+    return out

@@ -55,6 +55,36 @@ def stream_bits(n: int, bits: int) -> int:
     return sum(c * b for c, b, _, _ in layout(n, bits))
 
 
+@lru_cache(maxsize=None)
+def _stream_plan(n: int, bits: int) -> dict[str, np.ndarray]:
+    """Where every code of a row sits in the LSB-first stream (all codes, level 1 first).
+
+    A code of <= 6 bits at bit offset o lies in bytes o//8 and o//8 + 1, so decoding gathers
+    those two bytes as a uint16 and shifts by o%8. Encoding works per byte: every byte is the
+    OR of at most 8 code fragments (`contrib` lists them, padded with a dummy all-zero code;
+    `part` 0 takes the low byte of code << o%8, 8 its high byte).
+    """
+    width = np.concatenate([np.full(c, b, np.int64) for c, b, _, _ in layout(n, bits)])
+    offset = np.concatenate([[0], np.cumsum(width)[:-1]])
+    ncodes, nbytes = len(width), -(-int(width.sum()) // 8)
+    byte, shift = offset // 8, offset % 8
+    spills = np.flatnonzero(shift + width > 8)
+    key = np.concatenate([byte, byte[spills] + 1])
+    code = np.concatenate([np.arange(ncodes), spills])
+    part = np.concatenate([np.zeros(ncodes, np.int64), np.full(len(spills), 8)])
+    order = np.argsort(key, kind="stable")
+    key, code, part = key[order], code[order], part[order]
+    rank = np.arange(len(key)) - np.searchsorted(key, key)  # position within its byte
+    contrib = np.full((nbytes, int(rank.max()) + 1), ncodes, np.int64)
+    parts = np.zeros(contrib.shape, np.uint16)
+    contrib[key, rank], parts[key, rank] = code, part
+    plan = {"byte": byte, "shift": shift.astype(np.uint16), "mask": ((1 << width) - 1).astype(np.uint16),
+            "contrib": contrib, "part": parts}
+    for v in plan.values():
+        v.setflags(write=False)
+    return plan
+
+
 def _quantize(angle: np.ndarray, lvl: int, b: int, lo: np.float32, width: np.float32) -> np.ndarray:
     top = np.float32(2 ** b)
     if lvl == 1:
@@ -64,22 +94,33 @@ def _quantize(angle: np.ndarray, lvl: int, b: int, lo: np.float32, width: np.flo
     q = np.floor(t)
     q[np.isnan(q)] = 0  # only after a butterfly overflow (norms near 3.4e38); keep it defined
     np.clip(q, 0, 2 ** b - 1, out=q)
-    return q.astype(np.int64)
+    return q.astype(np.uint16)
 
 
 def _centre(q: np.ndarray, b: int, lo: np.float32, width: np.float32) -> np.ndarray:
     return lo + (q.astype(np.float32) + np.float32(0.5)) * width / np.float32(2 ** b)
 
 
-def _pack(fields: list[tuple[np.ndarray, int]], rows: int, total: int) -> np.ndarray:
-    """LSB-first bit stream of (codes[R, c], bits) fields, in order -> [R, ceil(total/8)] bytes."""
-    parts = [((q[:, :, None] >> np.arange(b)) & 1).astype(np.uint8).reshape(rows, -1)
-             for q, b in fields]
-    stream = np.concatenate(parts, axis=1)
-    pad = (-total) % 8
-    if pad:
-        stream = np.concatenate([stream, np.zeros((rows, pad), np.uint8)], axis=1)
-    return np.packbits(stream, axis=1, bitorder="little")
+@lru_cache(maxsize=None)
+def _cos_sin(b: int, lo: float, width: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of all 2^b centres of a level (float32): a level has only 2^b distinct
+    centres, so decoding gathers from these instead of evaluating cos/sin per code."""
+    c = _centre(np.arange(2 ** b), b, np.float32(lo), np.float32(width))
+    cs, sn = np.cos(c), np.sin(c)
+    cs.setflags(write=False)
+    sn.setflags(write=False)
+    return cs, sn
+
+
+def _pack(q: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """All codes q[R, ncodes] (level 1 first) -> the LSB-first stream [R, row_bytes]."""
+    plan = _stream_plan(n, bits)
+    val = np.zeros((q.shape[0], q.shape[1] + 1), np.uint16)  # last column: the dummy code
+    np.left_shift(q, plan["shift"], out=val[:, :-1])
+    out = np.zeros((q.shape[0], plan["contrib"].shape[0]), np.uint16)
+    for p in range(plan["contrib"].shape[1]):  # <= 8 fragments per byte
+        out |= val[:, plan["contrib"][:, p]] >> plan["part"][:, p]
+    return (out & np.uint16(0xFF)).astype(np.uint8)
 
 
 def encode(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,20 +140,23 @@ def encode(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         pairs = r.reshape(r.shape[0], count, 2)
         angle = np.arctan2(pairs[:, :, 1], pairs[:, :, 0])
         r = np.hypot(pairs[:, :, 0], pairs[:, :, 1])
-        fields.append((_quantize(angle, lvl, b, np.float32(lo), np.float32(width)), b))
-    codes[live] = _pack(fields, int(live.sum()), stream_bits(n, bits))
+        fields.append(_quantize(angle, lvl, b, np.float32(lo), np.float32(width)))
+    codes[live] = _pack(np.concatenate(fields, axis=1), n, bits)
     radius[live] = norm[live]
     return codes, radius
 
 
 def _unpack(codes: np.ndarray, n: int, bits: int) -> list[np.ndarray]:
-    stream = np.unpackbits(codes, axis=1, bitorder="little")
-    out, cur = [], 0
-    for count, b, _, _ in layout(n, bits):
-        f = stream[:, cur:cur + count * b].reshape(-1, count, b).astype(np.int64)
-        out.append((f << np.arange(b)).sum(axis=-1))
-        cur += count * b
-    return out
+    """The stream [R, row_bytes] -> per level codes [R, count] uint16, level 1 first."""
+    plan = _stream_plan(n, bits)
+    padded = np.zeros((codes.shape[0], codes.shape[1] + 1), np.uint16)
+    padded[:, :-1] = codes
+    word = padded[:, plan["byte"]]
+    word |= padded[:, plan["byte"] + 1] << np.uint16(8)
+    word >>= plan["shift"]
+    word &= plan["mask"]
+    cuts = np.cumsum([c for c, _, _, _ in layout(n, bits)])[:-1]
+    return np.split(word, cuts, axis=1)
 
 
 def decode_rotated(codes: np.ndarray, radius: np.ndarray, n: int, bits: int) -> np.ndarray:
@@ -123,8 +167,11 @@ def decode_rotated(codes: np.ndarray, radius: np.ndarray, n: int, bits: int) -> 
     r = np.where(ok, radius, np.float32(0.0)).astype(np.float32)[:, None]
     fields = _unpack(codes, n, bits)
     for q, (count, b, lo, width) in zip(reversed(fields), reversed(layout(n, bits))):
-        c = _centre(q, b, np.float32(lo), np.float32(width))
-        r = np.stack([r * np.cos(c), r * np.sin(c)], axis=-1).reshape(r.shape[0], 2 * count)
+        cs, sn = _cos_sin(b, lo, width)
+        nxt = np.empty((r.shape[0], count, 2), np.float32)
+        np.multiply(r, cs[q], out=nxt[:, :, 0])
+        np.multiply(r, sn[q], out=nxt[:, :, 1])
+        r = nxt.reshape(r.shape[0], 2 * count)
     return r
 
 

@@ -41,6 +41,9 @@ def _pair_table() -> np.ndarray:
 
 
 PAIR_LEVELS = _pair_table()
+# The same table with each pair viewed as one 8-byte word: a 1-D gather of uint64 is several
+# times faster in numpy than gathering [256, 2] rows.
+_PAIR_WORDS = PAIR_LEVELS.copy().view(np.uint64).reshape(256)
 
 
 def column_norms(xt: np.ndarray) -> np.ndarray:
@@ -78,8 +81,9 @@ def nearest_level(v: np.ndarray) -> np.ndarray:
 
 
 def unpack_levels(packed: np.ndarray) -> np.ndarray:
-    """[R, n/2] bytes -> [R, n] float32 levels (unscaled, rotated domain)."""
-    return PAIR_LEVELS[packed].reshape(packed.shape[0], -1)
+    """[..., n/2] bytes -> [..., n] float32 levels (unscaled, rotated domain)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    return _PAIR_WORDS[packed].view(np.float32)
 
 
 _BLOCK_VALUES = 1 << 17  # rows are encoded in blocks of about this many values (L2-sized)

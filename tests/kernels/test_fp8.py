@@ -20,6 +20,13 @@ def test_decode_table_matches_ml_dtypes_and_nans_read_zero():
     assert fp8.DECODE_TABLE[0x7E] == 448 and fp8.DECODE_TABLE[0x01] == 2.0 ** -9
 
 
+def test_pair_gather_equals_table():
+    codes = np.random.default_rng(4).integers(0, 256, (3, 7, 64), dtype=np.uint8)
+    assert np.array_equal(fp8.table_values(codes), fp8.DECODE_TABLE[codes])
+    assert np.array_equal(fp8.table_values(codes[..., :63]), fp8.DECODE_TABLE[codes[..., :63]])
+    assert np.array_equal(fp8.table_values(codes[:, ::2]), fp8.DECODE_TABLE[codes[:, ::2]])
+
+
 def test_all_254_finite_codes_round_trip():
     values = fp8.DECODE_TABLE[FINITE]
     assert np.array_equal(fp8.enc(values), FINITE)
