@@ -109,8 +109,11 @@ def _route(c, logits, bias):
     return idx, w * c.get("routed_scaling_factor", 1.0)
 
 
-def reference_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
-    """Logits [T, vocab] (float64) of one causal pass over ids."""
+def reference_logits(model_dir: Path, ids: list[int], kv_roundtrip=None) -> np.ndarray:
+    """Logits [T, vocab] (float64) of one causal pass over ids. kv_roundtrip(rows [T, n]) ->
+    rows, when given, replaces the cached rows (latent after its norm, rope key after RoPE)
+    by what a quantized cache gives back."""
+    rt = kv_roundtrip or (lambda r: r)
     c = json.loads((Path(model_dir) / "config.json").read_text())
     w = read_checkpoint(Path(model_dir))
     T, nh = len(ids), c["num_attention_heads"]
@@ -131,8 +134,9 @@ def reference_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
         q = q.reshape(T, nh, dn + dr)
         kv = h @ p("self_attn.kv_a_proj_with_mqa.weight").T
         lat = _rms(kv[:, :kvr], p("self_attn.kv_a_layernorm.weight"), 1e-6)  # latent norms: fixed eps
+        lat = rt(lat)
         kb = (lat @ p("self_attn.kv_b_proj.weight").T).reshape(T, nh, dn + dv)
-        k_rope = _rotate(kv[:, kvr:], ang, c.get("rope_interleave", True)) * att
+        k_rope = rt(_rotate(kv[:, kvr:], ang, c.get("rope_interleave", True)) * att)
         q_rope = _rotate(q[..., dn:], ang, c.get("rope_interleave", True)) * att
         keys = np.concatenate([kb[..., :dn], np.broadcast_to(k_rope[:, None], (T, nh, dr))], -1)
         qs = np.concatenate([q[..., :dn], q_rope], -1)

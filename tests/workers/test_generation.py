@@ -103,3 +103,18 @@ def test_score_command_missing_model(tmp_path, capsys):
     rc = cli_main(["score", "--model", str(tmp_path / "nope"), "--tokens", str(tmp_path / "t.json"),
                    "--out", str(tmp_path / "o.npy")])
     assert rc == 2 and "nope: no such directory" in capsys.readouterr().err
+
+
+def test_score_command_quantized_tier_prefill_equals_decode(tiny, tmp_path):
+    d = tiny()
+    (tmp_path / "ids.json").write_text(json.dumps([3, 200, 45, 9, 311, 77, 5]))
+    outs = {}
+    for kv in ("f32", "kv8"):
+        for mode in ("prefill", "decode"):
+            out = tmp_path / f"{kv}-{mode}.npy"
+            assert cli_main(["score", "--model", str(d), "--tokens", str(tmp_path / "ids.json"),
+                             "--out", str(out), "--kv", kv, "--mode", mode]) == 0
+            outs[kv, mode] = np.load(out)
+    top = np.abs(outs["f32", "prefill"]).max()
+    assert np.abs(outs["kv8", "prefill"] - outs["kv8", "decode"]).max() < 1e-5 * top
+    assert np.abs(outs["kv8", "prefill"] - outs["f32", "prefill"]).max() > 1e-3 * top
