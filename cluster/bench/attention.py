@@ -1,0 +1,240 @@
+"""`kvfleet bench attention`: paged MLA decode attention per KV tier against its floor.
+
+    kvfleet bench attention --backend cuda [--json] [--shapes 16x32768 ...] [--heads 64 16]
+    python -m cluster.bench.attention --backend cuda
+
+For every B x T (slots x context) and head count, each tier's time per layer (CUDA events,
+warm-up, median of --repeat), the bandwidth achieved on the tier's own cache bytes, and the
+floor max(bytes / read bandwidth, FLOPs / tensor rate), with both ceilings measured in the
+same run: a device-to-device copy (bytes read + written) and a cuBLAS f16 matrix product
+(cupy.matmul, f32 accumulate). FLOPs = 2 * H * (kv_lora + rope + kv_lora) per token.
+--backend cpu times the numpy path at sizes divided by --cpu-divide (no floor).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from kernels.tiers import get_tier
+
+SHAPES = ["1x32768", "1x131072", "16x8192", "16x32768", "64x4096", "64x16384"]
+HEADS = [64, 16]
+TIERS = ["f32", "kv8", "tq4"]
+DL, DR, BS = 512, 64, 16
+SCALE = 1.0 / np.sqrt(192.0)
+
+
+def _shape(s: str) -> tuple[int, int]:
+    try:
+        b, t = s.lower().split("x")
+        return int(b), int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes entry {s!r} must look like 16x32768") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in SHAPES],
+                   metavar="BxT")
+    p.add_argument("--heads", nargs="+", type=int, default=HEADS)
+    p.add_argument("--tiers", nargs="+", default=TIERS, choices=TIERS)
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--cpu-divide", type=int, default=64,
+                   help="cpu backend: divide every T by this (numpy is slow)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def flops_per_token(H: int) -> int:
+    return 2 * H * (DL + DR + DL)
+
+
+# ---- CUDA ------------------------------------------------------------------------------
+
+def _cuda_time(fn, repeat: int, warmup: int = 3) -> float:
+    import cupy as cp
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    return statistics.median(times)
+
+
+def measure_ceilings(repeat: int) -> dict:
+    """Copy bandwidth (read + write bytes, 2 GiB buffers) and f16 tensor rate (cuBLAS)."""
+    import cupy as cp
+    src = cp.random.random(2 ** 28, dtype=cp.float64)  # 2 GiB
+    dst = cp.empty_like(src)
+    t = _cuda_time(lambda: cp.copyto(dst, src), repeat)
+    bw = 2 * src.nbytes / t
+    del src, dst
+    n = 8192
+    a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    c = cp.empty((n, n), cp.float16)
+    t = _cuda_time(lambda: cp.matmul(a, b, out=c), repeat)
+    del a, b, c
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"copy_bytes_per_s": bw, "f16_flops_per_s": 2 * n ** 3 / t}
+
+
+def _device_planes(tier, B: int, T: int, rng):
+    """B slots of T tokens, random codes made on the device, blocks shuffled."""
+    import cupy as cp
+    from kernels.cpu.attention import LayerPlanes
+    nb = -(-T // BS)
+    n_blocks = B * nb
+    wl, wr = tier.code_width(DL), tier.code_width(DR)
+    if tier.kind == "f32":
+        lc = cp.random.standard_normal((n_blocks, BS, wl), dtype=cp.float32)
+        rc = cp.random.standard_normal((n_blocks, BS, wr), dtype=cp.float32)
+        ls = cp.ones((n_blocks, BS), cp.float32)
+        rs = cp.ones((n_blocks, BS), cp.float32)
+    else:
+        lc = cp.random.randint(0, 256, (n_blocks, BS, wl), dtype=cp.int32).astype(cp.uint8)
+        rc = cp.random.randint(0, 256, (n_blocks, BS, wr), dtype=cp.int32).astype(cp.uint8)
+        if tier.kind == "fp8":  # keep the e4m3 NaN codes out, values up to +-448
+            lc[lc == 0x7F] = 0x7E
+            rc[rc == 0x7F] = 0x7E
+            ls = cp.random.uniform(0.005, 0.02, (n_blocks, BS), dtype=cp.float32)
+            rs = cp.random.uniform(0.005, 0.02, (n_blocks, BS), dtype=cp.float32)
+        else:
+            ls = cp.random.uniform(10.0, 30.0, (n_blocks, BS), dtype=cp.float32)
+            rs = cp.random.uniform(4.0, 10.0, (n_blocks, BS), dtype=cp.float32)
+    tables = cp.asarray(rng.permutation(n_blocks).astype(np.int32).reshape(B, nb))
+    return LayerPlanes(lc, ls, rc, rs), tables
+
+
+def bench_cuda(args) -> dict:
+    import cupy as cp
+    from kernels.cuda import attention as cuda_attention
+    rng = np.random.default_rng(0)
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    ceil = measure_ceilings(args.repeat)
+    rows = []
+    for B, T in args.shapes:
+        plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1))
+        for tier_name in args.tiers:
+            tier = get_tier(tier_name)
+            planes, tables = _device_planes(tier, B, T, rng)
+            nbytes = B * T * tier.token_bytes(DL, DR)
+            for H in args.heads:
+                q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
+                q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
+                fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
+                    tier, planes, tables, plan, q_lat, q_rope, SCALE)
+                t = _cuda_time(fn, args.repeat)
+                flops = B * T * flops_per_token(H)
+                floor = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["f16_flops_per_s"])
+                rows.append({"tier": tier_name, "B": B, "T": T, "H": H, "ms": 1e3 * t,
+                             "GB_per_s": nbytes / t / 1e9, "TFLOP_per_s": flops / t / 1e12,
+                             "floor_ms": 1e3 * floor, "x_floor": t / floor,
+                             "bound": "bytes" if nbytes / ceil["copy_bytes_per_s"] >= flops / ceil["f16_flops_per_s"] else "flops",
+                             "splits": plan.n_work})
+            del planes, tables
+            cp.get_default_memory_pool().free_all_blocks()
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return {"backend": "cuda", "device": name, "sms": props["multiProcessorCount"],
+            **ceil, "rows": rows, "checks": _checks(rows)}
+
+
+def _checks(rows) -> list[str]:
+    by = {(r["tier"], r["B"], r["T"], r["H"]): r for r in rows}
+    out = []
+    for tier in ("kv8", "tq4"):
+        r = by.get((tier, 16, 32768, 64))
+        if r:
+            out.append(f"{tier} 64 heads 16x32k: {r['ms']:.3f} ms = {r['x_floor']:.2f}x floor "
+                       f"(target <= 1.3x): {'PASS' if r['x_floor'] <= 1.3 else 'MISS'}")
+    a, b = by.get(("f32", 16, 32768, 16)), by.get(("tq4", 16, 32768, 16))
+    if a and b:
+        sp = a["ms"] / b["ms"]
+        out.append(f"tq4 vs f32, 16 heads 16x32k: {sp:.2f}x faster (target >= 3x): "
+                   f"{'PASS' if sp >= 3 else 'MISS'}")
+    return out
+
+
+# ---- CPU (numpy) -------------------------------------------------------------------------
+
+def bench_cpu(args) -> dict:
+    from kernels.cpu import codecs
+    from kernels.cpu.attention import LayerPlanes, paged_mla_attention
+    rng = np.random.default_rng(0)
+    rows = []
+    for B, T0 in args.shapes:
+        T = max(BS, T0 // args.cpu_divide)
+        nb = -(-T // BS)
+        for tier_name in args.tiers:
+            tier = get_tier(tier_name)
+            n = B * nb * BS
+            lc, ls = codecs.encode_rows(tier, rng.standard_normal((n, DL), dtype=np.float32))
+            rc, rs = codecs.encode_rows(tier, rng.standard_normal((n, DR), dtype=np.float32))
+            planes = LayerPlanes(lc.reshape(B * nb, BS, -1), ls.reshape(B * nb, BS),
+                                 rc.reshape(B * nb, BS, -1), rs.reshape(B * nb, BS))
+            tables = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
+            for H in args.heads:
+                ql = rng.standard_normal((B, 1, H, DL), dtype=np.float32)
+                qr = rng.standard_normal((B, 1, H, DR), dtype=np.float32)
+                pos = np.full((B, 1), T - 1)
+                times = []
+                for _ in range(max(1, min(args.repeat, 3))):
+                    t0 = time.perf_counter()
+                    paged_mla_attention(tier, planes, tables, ql, qr, pos, SCALE)
+                    times.append(time.perf_counter() - t0)
+                t = statistics.median(times)
+                nbytes = B * T * tier.token_bytes(DL, DR)
+                rows.append({"tier": tier_name, "B": B, "T": T, "H": H, "ms": 1e3 * t,
+                             "GB_per_s": nbytes / t / 1e9,
+                             "TFLOP_per_s": B * T * flops_per_token(H) / t / 1e12})
+    return {"backend": "cpu", "rows": rows}
+
+
+def _print_table(res: dict) -> None:
+    if res["backend"] == "cuda":
+        print(f"device {res['device']} ({res['sms']} SMs); measured copy "
+              f"{res['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), f16 cuBLAS "
+              f"{res['f16_flops_per_s'] / 1e12:.0f} TFLOP/s")
+        print(f"{'tier':5} {'BxT':>9} {'H':>3} {'ms':>8} {'GB/s':>7} {'TFLOP/s':>8} "
+              f"{'floor ms':>9} {'x floor':>7} bound")
+        for r in res["rows"]:
+            print(f"{r['tier']:5} {r['B']:>3}x{r['T']:<6} {r['H']:>3} {r['ms']:8.3f} "
+                  f"{r['GB_per_s']:7.0f} {r['TFLOP_per_s']:8.1f} {r['floor_ms']:9.3f} "
+                  f"{r['x_floor']:7.2f} {r['bound']}")
+        for c in res["checks"]:
+            print(c)
+    else:
+        print(f"{'tier':5} {'BxT':>9} {'H':>3} {'ms':>9} {'GB/s':>7}")
+        for r in res["rows"]:
+            print(f"{r['tier']:5} {r['B']:>3}x{r['T']:<6} {r['H']:>3} {r['ms']:9.2f} "
+                  f"{r['GB_per_s']:7.2f}")
+
+
+def run(args) -> int:
+    res = bench_cuda(args) if args.backend == "cuda" else bench_cpu(args)
+    if args.json:
+        json.dump(res, sys.stdout, indent=1)
+        print()
+    else:
+        _print_table(res)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kvfleet bench attention", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Paged MLA decode attention on CUDA over the pool's coded planes (f32, kv8, tq4).
+
+    plan = decode_plan(tables_rows[N], positions[N], tier, n_heads)   # once per step
+    ctx  = paged_mla_decode(tier, planes, block_tables, plan, q_lat, q_rope, scale)
+
+Query i attends keys 0..positions[i] of block-table row tables_rows[i] (-1 = padding query,
+context 0). Same semantics as kernels/cpu/attention.paged_mla_attention, flat over queries.
+The plan (work split over the context, flash-decoding) depends only on the lengths, so a
+decode step builds it once and every layer reuses it.
+
+Kernels (attention.cu): attn_qprep (f16 queries, tq4 rotation) -> attn_split (one CTA per
+chunk of context and group of <= 64 heads: scores, online softmax, context, all on the
+tensor cores with f16 operands and f32 accumulation) -> attn_combine (merge the chunks; tq4
+unrotates). Precision: kv8 codes are exact in f16; tq4 levels round to f16 (2^-11
+relative); the f32 tier converts K/V to f16 as well (|x| < 65504, 2^-11 relative), as do
+the queries (per head scaled to max |q| = 1) and the softmax weights.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from kernels.cpu import tq4 as tq4_ref
+from kernels.cpu.rotation import rotatable
+from kernels.cuda._build import kernel
+from kernels.tiers import Tier, get_tier
+
+_TIER_ID = {"f32": 0, "fp8": 1, "tq": 2}
+LOG2E = 1.4426950408889634
+MIN_CHUNK = 256  # tokens; shorter chunks cost more in partial contexts than they save
+
+
+def has_kernel(tier: Tier | str, kv_lora: int, rope: int) -> bool:
+    """True when attn_split covers this tier and these widths (else use the CPU path)."""
+    tier = get_tier(tier)
+    if tier.kind not in _TIER_ID or kv_lora % 64 or rope % 16 or kv_lora <= 0 or rope <= 0:
+        return False
+    return tier.kind != "tq" or (rotatable(kv_lora) and rotatable(rope))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Compile-time shape of one specialisation."""
+    tier_id: int
+    mt: int  # m-tiles of 16 heads per CTA
+    bt: int  # tokens per tile
+    dl: int
+    dr: int
+
+    @property
+    def defines(self) -> dict:
+        return dict(TIER=self.tier_id, MT=self.mt, BT=self.bt, DL=self.dl, DR=self.dr)
+
+    def shared_bytes(self) -> int:
+        """attention.cu SM_TOTAL."""
+        mrows, kstr, pstr = 16 * self.mt, self.dl + self.dr + 8, self.bt + 8
+        tg = min(8 // self.mt, self.bt // 8)
+        per = {0: 4.0, 1: 1.0, 2: 0.5}[self.tier_id]
+        stage = int(self.bt * (self.dl + self.dr) * per)
+        return (2 * mrows * kstr + 2 * self.bt * kstr + 2 * mrows * pstr + -(-stage // 16) * 16
+                + 4 * 2 * self.bt + 3 * 4 * self.bt + 4 * 2 * self.bt + 2 * 4 * tg * mrows
+                + 4 * mrows + 4 * 256 + 16)
+
+
+def _shape(tier: Tier, n_heads: int, dl: int, dr: int) -> tuple[Shape, int]:
+    """(specialisation, head groups) for n_heads: up to 64 heads share one pass."""
+    hg = min(64, -(-n_heads // 16) * 16)
+    tid = _TIER_ID[tier.kind]
+    return Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr), -(-n_heads // hg)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Work items (query, table row, t0, t1) on the device and each query's range of them."""
+    work: cp.ndarray    # [W, 4] int32
+    splits: cp.ndarray  # [N + 1] int32
+    n_queries: int
+    n_work: int
+    chunk: int
+    max_row: int   # largest block-table row used (checked against the table)
+    max_keys: int  # longest key range (checked against the table's capacity)
+
+
+def decode_plan(rows, positions, n_sm: int | None = None) -> DecodePlan:
+    """Split every query's keys 0..positions[i] into chunks so that about one wave of CTAs
+    covers the step. rows, positions: host int arrays [N]."""
+    rows = np.asarray(rows, np.int64)
+    pos = np.asarray(positions, np.int64)
+    if rows.shape != pos.shape or rows.ndim != 1:
+        raise ValueError(f"rows {rows.shape} and positions {pos.shape} must be equal 1-d shapes")
+    n_keys = np.maximum(pos + 1, 0)
+    total = int(n_keys.sum())
+    if n_sm is None:
+        n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    chunk = max(MIN_CHUNK, -(-max(total, 1) // n_sm))
+    chunk = -(-chunk // 64) * 64  # a multiple of every tile size
+    counts = -(-n_keys // chunk)
+    splits = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    W = int(splits[-1])
+    q = np.repeat(np.arange(len(pos)), counts)
+    j = np.arange(W) - splits[:-1][q] if W else np.zeros(0, np.int64)
+    t0 = j * chunk
+    work = np.stack([q, rows[q], t0, np.minimum(t0 + chunk, n_keys[q])], axis=1).astype(np.int32)
+    return DecodePlan(cp.asarray(work.reshape(-1, 4)), cp.asarray(splits), len(pos), W, chunk,
+                      int(rows.max(initial=-1)), int(n_keys.max(initial=0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _tq_lut(device: int) -> cp.ndarray:
+    """[256] uint32: the byte's two codebook levels as f16, low nibble in the low half."""
+    h = tq4_ref.PAIR_LEVELS.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return cp.asarray(h[:, 0] | (h[:, 1] << 16))
+
+
+def _check(name: str, a, dtype, shape: tuple) -> None:
+    if not isinstance(a, cp.ndarray):
+        raise TypeError(f"{name} must be a cupy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, q_rope,
+            scale: float, out: cp.ndarray) -> None:
+    N, H, dl = q_lat.shape
+    dr = q_rope.shape[2]
+    hpad = groups * 16 * shape.mt
+    d = shape.defines
+    qh = cp.empty((N, hpad, dl + dr), cp.uint16)
+    qscale = cp.empty((N, hpad), cp.float32)
+    kernel("attention.cu", "attn_qprep", **d)(
+        (N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
+                            np.float32(scale * LOG2E)))
+    W = plan.n_work
+    o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
+    ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
+    if W:
+        split = kernel("attention.cu", "attn_split", **d)
+        smem = shape.shared_bytes()
+        split.max_dynamic_shared_size_bytes = smem
+        lut = _tq_lut(cp.cuda.Device().id)
+        nb, bs = tables.shape[1], planes.l_scale.shape[1]
+        split((W, groups), (256,), (qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes,
+                                    planes.r_scale, tables, np.int32(nb), np.int32(bs),
+                                    plan.work, lut, o_part, ml_part, np.int32(hpad)),
+              shared_mem=smem)
+    kernel("attention.cu", "attn_combine", **d)(
+        (N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+
+
+def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: DecodePlan,
+                     q_lat: cp.ndarray, q_rope: cp.ndarray, scale: float) -> cp.ndarray:
+    """ctx [N, H, kv_lora] float32 for queries q_lat [N, H, kv_lora], q_rope [N, H, rope]
+    over the device planes (kernels/cpu/attention.LayerPlanes of cupy arrays) through
+    block_tables [S, nb] int32, as laid out by `plan` (decode_plan)."""
+    tier = get_tier(tier)
+    if q_lat.ndim != 3 or q_rope.ndim != 3:
+        raise ValueError(f"q_lat {q_lat.shape} and q_rope {q_rope.shape} must be [N, H, D]")
+    N, H, dl = q_lat.shape
+    dr = q_rope.shape[2]
+    if not has_kernel(tier, dl, dr):
+        raise ValueError(f"{tier.name}: no CUDA attention kernel for kv_lora={dl}, rope={dr} "
+                         f"(has_kernel() is False; use the CPU path)")
+    _check("q_lat", q_lat, cp.float32, (N, H, dl))
+    _check("q_rope", q_rope, cp.float32, (N, H, dr))
+    if plan.n_queries != N:
+        raise ValueError(f"plan is for {plan.n_queries} queries, got {N}")
+    n_blocks, bs = planes.l_scale.shape
+    cdt = np.dtype(tier.code_dtype())
+    _check("l_codes", planes.l_codes, cdt, (n_blocks, bs, tier.code_width(dl)))
+    _check("r_codes", planes.r_codes, cdt, (n_blocks, bs, tier.code_width(dr)))
+    _check("l_scale", planes.l_scale, cp.float32, (n_blocks, bs))
+    _check("r_scale", planes.r_scale, cp.float32, (n_blocks, bs))
+    _check("block_tables", block_tables, cp.int32, block_tables.shape)
+    if plan.max_row >= block_tables.shape[0] or plan.max_keys > block_tables.shape[1] * bs:
+        raise ValueError(f"plan reaches table row {plan.max_row} / {plan.max_keys} keys; "
+                         f"block_tables {block_tables.shape} x block_size {bs} is smaller")
+    shape, groups = _shape(tier, H, dl, dr)
+    out = cp.empty((N, H, dl), cp.float32)
+    if N:
+        _launch(tier, shape, groups, planes, block_tables, plan, q_lat, q_rope, scale, out)
+    return out

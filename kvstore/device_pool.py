@@ -1,0 +1,200 @@
+"""The paged KV pool in device memory (CUDA, CuPy): kvstore/pool.py's planes on the GPU.
+
+Same layout (LayerPlanes per layer: l_codes, l_scale, r_codes, r_scale over
+[n_blocks, block_size]) and the same slot / block-table bookkeeping, which stays on the host
+(inherited from KVPool); the device keeps a copy of the block tables, refreshed only when a
+slot gains or loses blocks. Writes are encoded on the GPU (kernels/cuda/codecs.py, the same
+bytes as the numpy codec); attend runs the fused CUDA kernel (kernels/cuda/attention.py).
+
+Shadow contract: rows produced on the host (numpy L/R or coded rows read from disk) are
+uploaded once, when written, and never again: attend moves no cached row across the bus.
+`counters.rows_uploaded` / `bytes_uploaded` count every such upload (tests hold attend to
+zero). A tier or width without a CUDA kernel (polar on CUDA) falls back to the CPU codec /
+attention: `counters.fallbacks[(op, tier)]` counts each call, and the first of each kind is
+logged at WARNING -- never silent.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import cupy as cp
+import numpy as np
+
+from kernels.cpu import codecs as cpu_codecs
+from kernels.cpu.attention import LayerPlanes, paged_mla_attention
+from kernels.cuda import attention as cuda_attention
+from kernels.cuda import codecs as cuda_codecs
+from kvstore.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+
+class DeviceCounters:
+    """Transfers and CPU fallbacks of one DevicePool."""
+
+    def __init__(self) -> None:
+        self.rows_uploaded = 0
+        self.bytes_uploaded = 0
+        self.fallbacks: Counter = Counter()
+
+    def upload(self, *arrays: np.ndarray) -> list[cp.ndarray]:
+        """Copy host rows to the device, counting rows (first axis) and bytes."""
+        out = []
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            self.rows_uploaded += int(a.shape[0]) if a.ndim > 1 else 0
+            self.bytes_uploaded += a.nbytes
+            out.append(cp.asarray(a))
+        return out
+
+    def fallback(self, op: str, tier: str, why: str) -> None:
+        key = (op, tier)
+        if not self.fallbacks[key]:
+            log.warning("CUDA %s for tier %s falls back to the CPU path: %s", op, tier, why)
+        self.fallbacks[key] += 1
+
+    def as_dict(self) -> dict:
+        return {"rows_uploaded": self.rows_uploaded, "bytes_uploaded": self.bytes_uploaded,
+                **{f"fallback_{op}_{tier}": n for (op, tier), n in self.fallbacks.items()}}
+
+
+class DevicePool(KVPool):
+    def __init__(self, n_layers: int, kv_lora: int, rope: int, tier, n_blocks: int,
+                 block_size: int = 16, max_slots: int = 8,
+                 max_blocks_per_slot: int | None = None):
+        # The base class keeps slots, block tables and lengths on the host; it is built with
+        # no layers so that it allocates no host planes, then the device planes go in.
+        super().__init__(0, kv_lora, rope, tier, n_blocks, block_size, max_slots,
+                         max_blocks_per_slot)
+        self.n_layers = n_layers
+        dt = np.dtype(self.tier.code_dtype())
+        fill = np.nan if dt == np.float32 else 0xFF  # unwritten rows show up as NaN / 0xFF
+        wl, wr = self.tier.code_width(kv_lora), self.tier.code_width(rope)
+        self.planes = [
+            LayerPlanes(l_codes=cp.full((n_blocks, block_size, wl), fill, dt),
+                        l_scale=cp.full((n_blocks, block_size), np.nan, cp.float32),
+                        r_codes=cp.full((n_blocks, block_size, wr), fill, dt),
+                        r_scale=cp.full((n_blocks, block_size), np.nan, cp.float32))
+            for _ in range(n_layers)]
+        self.counters = DeviceCounters()
+        self._tables_dev: cp.ndarray | None = None
+        self._plan_key: bytes | None = None
+        self._plan = None
+
+    # -- block tables: host is the truth, the device copy follows ---------------------------
+    def _ensure(self, slot: int, n_tokens: int) -> None:
+        before = self.block_tables[slot].copy()
+        super()._ensure(slot, n_tokens)
+        if not np.array_equal(before, self.block_tables[slot]):
+            self._tables_dev = None
+
+    def truncate(self, slot: int, n: int) -> None:
+        super().truncate(slot, n)
+        self._tables_dev = None
+
+    def device_tables(self) -> cp.ndarray:
+        if self._tables_dev is None:
+            self._tables_dev = cp.asarray(self.block_tables)
+        return self._tables_dev
+
+    # -- rows ----------------------------------------------------------------------------
+    def write(self, layer: int, slots, positions, L, R) -> None:
+        """Encode rows L [N, kv_lora], R [N, rope] (numpy: uploaded once, counted; cupy:
+        already on the device) on the GPU and store them at (slot, position)."""
+        if not cuda_codecs.has_encoder(self.tier):
+            self.counters.fallback("encode", self.tier.name, "no CUDA encoder for this tier")
+            L = L.get() if isinstance(L, cp.ndarray) else L
+            R = R.get() if isinstance(R, cp.ndarray) else R
+            lc, ls = cpu_codecs.encode_rows(self.tier, np.asarray(L, np.float32))
+            rc, rs = cpu_codecs.encode_rows(self.tier, np.asarray(R, np.float32))
+            self.write_coded(layer, slots, positions, lc, ls, rc, rs)
+            return
+        if not isinstance(L, cp.ndarray):
+            (L,) = self.counters.upload(np.asarray(L, np.float32))
+        if not isinstance(R, cp.ndarray):
+            (R,) = self.counters.upload(np.asarray(R, np.float32))
+        lc, ls = cuda_codecs.encode_rows(self.tier, cp.ascontiguousarray(L, cp.float32))
+        rc, rs = cuda_codecs.encode_rows(self.tier, cp.ascontiguousarray(R, cp.float32))
+        self._store(layer, slots, positions, lc, ls, rc, rs)
+
+    def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
+                    r_scale) -> None:
+        """Store rows already in the tier's code layout; host arrays are uploaded once."""
+        arrs = [l_codes, l_scale, r_codes, r_scale]
+        host = [i for i, a in enumerate(arrs) if not isinstance(a, cp.ndarray)]
+        for i, dev in zip(host, self.counters.upload(*[arrs[i] for i in host])):
+            arrs[i] = dev
+        self._store(layer, slots, positions, *arrs)
+
+    def _store(self, layer, slots, positions, lc, ls, rc, rs) -> None:
+        blk, off = self._where(slots, positions)
+        blk_d, off_d = cp.asarray(blk), cp.asarray(off)
+        p = self.planes[layer]
+        p.l_codes[blk_d, off_d] = lc
+        p.l_scale[blk_d, off_d] = ls
+        p.r_codes[blk_d, off_d] = rc
+        p.r_scale[blk_d, off_d] = rs
+        np.maximum.at(self.lengths, np.asarray(slots, np.int64),
+                      np.asarray(positions, np.int64) + 1)
+
+    def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
+        """Coded rows [start, end) of a slot, downloaded to the host (for disk I/O)."""
+        self._check_slot(slot)
+        end = self.length(slot) if end is None else end
+        pos = np.arange(start, end)
+        blk = cp.asarray(self.block_tables[slot, pos // self.block_size])
+        off = cp.asarray(pos % self.block_size)
+        p = self.planes[layer]
+        return (p.l_codes[blk, off].get(), p.l_scale[blk, off].get(),
+                p.r_codes[blk, off].get(), p.r_scale[blk, off].get())
+
+    # -- attention -------------------------------------------------------------------------
+    def plan(self, slots, positions) -> cuda_attention.DecodePlan:
+        """The kernel's work split for this step; cached, so all layers of a step share it."""
+        slots = np.asarray(slots, np.int64)
+        positions = np.asarray(positions, np.int64)
+        key = slots.tobytes() + b"|" + positions.tobytes()
+        if key != self._plan_key:
+            self._plan = cuda_attention.decode_plan(slots, positions)
+            self._plan_key = key
+        return self._plan
+
+    def attend(self, layer: int, slots, positions, q_lat, q_rope, scale: float):
+        """ctx [N, H, kv_lora] for queries at (slot, position) over keys 0..position.
+        cupy queries give a cupy result, numpy queries a numpy one."""
+        on_host = not isinstance(q_lat, cp.ndarray)
+        slots = np.asarray(slots, np.int64)
+        positions = np.asarray(positions, np.int64)
+        for s in np.unique(slots):
+            self._check_slot(int(s))
+        if not cuda_attention.has_kernel(self.tier, self.kv_lora, self.rope):
+            self.counters.fallback("attend", self.tier.name,
+                                   f"no CUDA attention kernel (kv_lora={self.kv_lora}, "
+                                   f"rope={self.rope})")
+            ctx = self._cpu_attend(layer, slots, positions, q_lat, q_rope, scale)
+            return ctx if on_host else cp.asarray(ctx)
+        ql = cp.ascontiguousarray(cp.asarray(q_lat, cp.float32))
+        qr = cp.ascontiguousarray(cp.asarray(q_rope, cp.float32))
+        ctx = cuda_attention.paged_mla_decode(self.tier, self.planes[layer], self.device_tables(),
+                                              self.plan(slots, positions), ql, qr, scale)
+        return ctx.get() if on_host else ctx
+
+    def _cpu_attend(self, layer, slots, positions, q_lat, q_rope, scale) -> np.ndarray:
+        """The numpy attention over a host copy of the blocks these slots use."""
+        tables = self.block_tables[slots]  # [N, nb], one row per query
+        blocks = np.unique(tables[tables >= 0])
+        remap = np.full(self.n_blocks, -1, np.int32)
+        remap[blocks] = np.arange(len(blocks), dtype=np.int32)
+        host_tables = np.where(tables >= 0, remap[np.maximum(tables, 0)], -1).astype(np.int32)
+        p, b = self.planes[layer], cp.asarray(blocks)
+        host = LayerPlanes(p.l_codes[b].get(), p.l_scale[b].get(), p.r_codes[b].get(),
+                           p.r_scale[b].get())
+        ql = q_lat.get() if isinstance(q_lat, cp.ndarray) else np.asarray(q_lat, np.float32)
+        qr = q_rope.get() if isinstance(q_rope, cp.ndarray) else np.asarray(q_rope, np.float32)
+        ctx = paged_mla_attention(self.tier, host, host_tables, ql[:, None], qr[:, None],
+                                  positions[:, None], scale)
+        return ctx[:, 0]
+
+    def metrics(self) -> dict:
+        return {"bytes_in_use": self.bytes_in_use(), **self.counters.as_dict()}

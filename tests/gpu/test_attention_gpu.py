@@ -1,0 +1,122 @@
+"""CUDA paged MLA decode attention vs a float64 numpy reference on decoded rows, for every
+tier with a kernel: NaN / 0x7E / huge-radius garbage in every unused pool position,
+shuffled block tables, ragged lengths, several queries per slot, a padding query, inert
+rows, 4 / 16 / 64 / 128 heads, one split or many."""
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from kernels.cuda._build import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from kernels.cpu import codecs as ref  # noqa: E402
+from kernels.cpu.attention import LayerPlanes  # noqa: E402
+from kernels.cuda import attention as gpu  # noqa: E402
+from kernels.tiers import get_tier  # noqa: E402
+
+DL, DR, BS = 512, 64, 16
+SCALE = 1.0 / np.sqrt(192.0)
+LENGTHS = [1, 17, 300, 1100, 2600]
+
+
+def make_pool(tier_name, rng, lengths=LENGTHS):
+    tier = get_tier(tier_name)
+    per = [-(-n // BS) for n in lengths]
+    n_blocks = sum(per) + 7
+    nb = max(per) + 2
+    L = rng.standard_normal((n_blocks * BS, DL)).astype(np.float32)
+    R = rng.standard_normal((n_blocks * BS, DR)).astype(np.float32)
+    L *= np.exp(rng.uniform(-1, 0.5, (n_blocks * BS, 1))).astype(np.float32)  # per-token scales differ
+    L[rng.choice(len(L), 9, replace=False)] = 0.0  # inert rows
+    R[rng.choice(len(R), 9, replace=False)] = 0.0
+    lc, ls = ref.encode_rows(tier, L)
+    rc, rs = ref.encode_rows(tier, R)
+    lc, rc = lc.reshape(n_blocks, BS, -1), rc.reshape(n_blocks, BS, -1)
+    ls, rs = ls.reshape(n_blocks, BS), rs.reshape(n_blocks, BS)
+    perm = rng.permutation(n_blocks)
+    tables = np.full((len(lengths), nb), -1, np.int32)
+    used = np.zeros((n_blocks, BS), bool)
+    k = 0
+    for s, (n, p) in enumerate(zip(lengths, per)):
+        tables[s, :p] = perm[k:k + p]
+        for t in range(n):
+            used[tables[s, t // BS], t % BS] = True
+        k += p
+    garbage_code = np.nan if tier.kind == "f32" else 0x7E  # 0x7E: a large value in every tier
+    garbage_scale = np.float32(np.nan if tier.kind != "tq" else 1e30)
+    for arr in (lc, rc):
+        arr[~used] = garbage_code
+    ls[~used] = garbage_scale
+    rs[~used] = garbage_scale
+    return tier, LayerPlanes(lc, ls, rc, rs), tables
+
+
+def reference(tier, planes, tables, rows, positions, q_lat, q_rope):
+    out = np.zeros(q_lat.shape, np.float64)
+    for i, (r, p) in enumerate(zip(rows, positions)):
+        if p < 0:
+            continue
+        t = np.arange(p + 1)
+        blk, off = tables[r, t // BS], t % BS
+        L = ref.decode_rows(tier, planes.l_codes[blk, off], planes.l_scale[blk, off], DL)
+        R = ref.decode_rows(tier, planes.r_codes[blk, off], planes.r_scale[blk, off], DR)
+        L, R = L.astype(np.float64), R.astype(np.float64)
+        s = (q_lat[i].astype(np.float64) @ L.T + q_rope[i].astype(np.float64) @ R.T) * SCALE
+        s -= s.max(axis=1, keepdims=True)
+        w = np.exp(s)
+        out[i] = (w / w.sum(axis=1, keepdims=True)) @ L
+    return out
+
+
+def run(tier_name, H, n_sm, seed):
+    rng = np.random.default_rng(seed)
+    tier, planes, tables = make_pool(tier_name, rng)
+    rows = np.array([0, 1, 2, 3, 3, 3, 4, 2, 4])
+    positions = np.array([0, 16, 299, 1099, 517, 64, 2599, -1, 1999])
+    N = len(rows)
+    q_lat = rng.standard_normal((N, H, DL)).astype(np.float32)
+    q_rope = rng.standard_normal((N, H, DR)).astype(np.float32)
+    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+    plan = gpu.decode_plan(rows, positions, n_sm=n_sm)
+    out = gpu.paged_mla_decode(tier, dev, cp.asarray(tables), plan, cp.asarray(q_lat),
+                               cp.asarray(q_rope), SCALE).get()
+    want = reference(tier, planes, tables, rows, positions, q_lat, q_rope)
+    assert np.isfinite(out).all(), f"{tier_name} H={H}: non-finite output"
+    for i in range(N):
+        if positions[i] < 0:
+            assert not out[i].any(), "padding query must give zeros"
+            continue
+        err = np.linalg.norm(out[i] - want[i]) / np.linalg.norm(want[i])
+        assert err < 2e-3, f"{tier_name} H={H} n_sm={n_sm} query {i} (pos {positions[i]}): rel err {err:.2e}"
+    return plan
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+@pytest.mark.parametrize("H", [64, 16, 4])
+def test_attention_matches_float64(tier, H):
+    plan = run(tier, H, n_sm=132, seed=H)
+    assert plan.n_work > len(LENGTHS)  # the long rows were split
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+def test_attention_one_split_many_tiles_and_two_head_groups(tier):
+    plan = run(tier, 128, n_sm=1, seed=5)
+    assert plan.n_work == 8  # one work item per real query
+
+
+def test_attention_rejects_bad_input():
+    rng = np.random.default_rng(0)
+    tier, planes, tables = make_pool("kv8", rng, lengths=[5])
+    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+    plan = gpu.decode_plan([0], [4])
+    q = cp.zeros((1, 4, DL), cp.float64)
+    with pytest.raises(TypeError, match="q_lat"):
+        gpu.paged_mla_decode(tier, dev, cp.asarray(tables), plan, q, cp.zeros((1, 4, DR), cp.float32), 1.0)
+    with pytest.raises(ValueError, match="no CUDA attention kernel"):
+        gpu.paged_mla_decode("polar3", dev, cp.asarray(tables), plan, q, q, 1.0)
+    assert not gpu.has_kernel("kv8", 48, 64) and gpu.has_kernel("tq4", 512, 64)
