@@ -160,7 +160,7 @@ class CacheFile:
             self._heal_to = None
 
     def _replace(self, packed: np.ndarray) -> None:
-        tmp = f"{self.path}.tmp{os.getpid()}"
+        tmp = f"{self.path}.tmp"  # one writer per file (slots.py), so a stale one is ours
         try:
             self._write_new(tmp, packed)
             os.replace(tmp, self.path)

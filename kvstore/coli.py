@@ -25,7 +25,7 @@ import struct
 
 import numpy as np
 
-from kvstore.cachefile import CacheFile, FileContents, fsync_dir, write_all
+from kvstore.cachefile import CacheFile, FileContents, write_all
 from kernels.tiers import TierError, tier_from_tag
 from kvstore.fingerprint import Fingerprint, HeaderError
 from kvstore.records import RecordLayout
@@ -74,6 +74,9 @@ class ColiKVFile(CacheFile):
         if n < nrec:
             c.note = (f"{self.path}: header says {nrec} records but only {n} are complete; "
                       f"keeping {n}")
+        elif HEADER_BYTES + n * rec < size:
+            c.note = (f"{self.path}: {size - HEADER_BYTES - n * rec} uncommitted bytes after record "
+                      f"{n} (cut at the next write)")
         c.raw = np.fromfile(self.path, np.uint8, count=n * rec, offset=HEADER_BYTES).reshape(n, rec)
         c.good_end = HEADER_BYTES + n * rec
         if n < nrec or c.good_end < size:
@@ -122,11 +125,3 @@ class ColiKVFile(CacheFile):
         finally:
             os.close(fd)
 
-
-def write_coli(path: str, fp: Fingerprint, tier, packed: np.ndarray) -> None:
-    """Write a whole `.coli_kv` file atomically from packed records (kv convert)."""
-    f = ColiKVFile(path, fp, tier)
-    tmp = f"{path}.tmp{os.getpid()}"
-    f._write_new(tmp, packed)
-    os.replace(tmp, path)
-    fsync_dir(path)

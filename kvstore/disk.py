@@ -121,7 +121,9 @@ class ArrowKVFile(CacheFile):
         tokens = np.ascontiguousarray(packed["token"])
         payload = np.ascontiguousarray(packed.view(np.uint8).reshape(n, rec)[:, 4:])
         record = pa.FixedSizeBinaryArray.from_buffers(pa.binary(rec - 4), n, [None, pa.py_buffer(payload)])
-        batch = pa.record_batch([pa.array(tokens), record], schema=self.schema)
+        # from_buffers, not pa.array: pa.array would import pandas (seconds) to sniff the input
+        token = pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(tokens)])
+        batch = pa.RecordBatch.from_arrays([token, record], schema=self.schema)
         meta = {"kvfleet.start": str(start), "kvfleet.crc32": str(batch_crc(start, tokens, payload))}
         sink = pa.BufferOutputStream()
         with ipc.new_stream(sink, self.schema) as w:

@@ -1,0 +1,179 @@
+"""The C engine's .coli_kv: byte layout against a hand-written reference, load rules, sanitize."""
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from diskdata import FP, FP_DSA, SMALL, encoded, overwrite, records, same
+from kernels.tiers import get_tier
+from kvstore.coli import ColiKVFile, read_header
+from kvstore.fingerprint import Fingerprint, HeaderError
+from kvstore.records import KVRecords, RecordLayout
+
+MAGIC = {1: b"COLIKV1\0", 2: b"COLIKV2\0", 3: b"COLIKV3\0"}
+
+
+def reference_bytes(fp: Fingerprint, tier, recs: KVRecords, nrec: int | None = None) -> bytes:
+    """The layout as the C engine's writer spells it, one field at a time (test oracle)."""
+    t = get_tier(tier)
+    out = [MAGIC[t.version], struct.pack("<8i", *fp.words(), len(recs) if nrec is None else nrec, t.tag)]
+    for j in range(len(recs)):
+        out.append(struct.pack("<i", int(recs.tokens[j])))
+        for i in range(fp.n_layers):
+            out.append(recs.l_codes[i, j].tobytes())
+            if t.quantized:
+                out.append(struct.pack("<f", recs.l_scale[i, j]))
+            out.append(recs.r_codes[i, j].tobytes())
+            if t.quantized:
+                out.append(struct.pack("<f", recs.r_scale[i, j]))
+        for k in range(fp.n_indexer_layers):
+            out.append(recs.index_rows[k, j].astype("<f4").tobytes())
+    return b"".join(out)
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4", "polar5"])
+@pytest.mark.parametrize("fp", [FP, FP_DSA], ids=["mla", "dsa"])
+def test_writer_matches_reference_layout(tmp_path, fp, tier):
+    p = tmp_path / "c.coli_kv"
+    a, b = records(fp, tier, 4, seed=1), records(fp, tier, 3, seed=2)
+    f = ColiKVFile(p, fp, tier)
+    f.load()
+    f.append(a)
+    f.append(b)
+    both = KVRecords.concat([a, b])
+    assert p.read_bytes() == reference_bytes(fp, tier, both)
+    g = ColiKVFile(p, fp, tier)
+    assert same(g.load(), both) and g.message is None
+    # ... and a file written by the reference loads to the same records.
+    overwrite(p, reference_bytes(fp, tier, both))
+    assert same(ColiKVFile(p, fp, tier).load(), both)
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4", "polar3"])
+def test_encode_rows_bytes_on_disk(tmp_path, tier):
+    _, enc = encoded(FP, tier, 9, seed=4)
+    f = ColiKVFile(tmp_path / "c.coli_kv", FP, tier)
+    f.load()
+    f.append(enc)
+    assert (tmp_path / "c.coli_kv").read_bytes() == reference_bytes(FP, tier, enc)
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+def test_v1_upgrade(tmp_path, tier):
+    p = tmp_path / "c.coli_kv"
+    src, enc = encoded(FP, tier, 6, seed=8)
+    overwrite(p, reference_bytes(FP, "f32", src))
+    before = digest(p)
+    f = ColiKVFile(p, FP, tier)
+    assert same(f.load(), enc) and "rewritten as" in f.message
+    assert digest(p) == before  # left intact
+    more = records(FP, tier, 2, seed=3)
+    f.append(more)
+    want = KVRecords.concat([enc, more])
+    assert p.read_bytes() == reference_bytes(FP, tier, want)  # rewritten in the new format
+
+
+@pytest.mark.parametrize("file_tier,run_tier,words", [
+    ("kv8", "f32", ["KV8=1"]), ("kv8", "polar4", ["KV8=1"]),
+    ("tq4", "kv8", ["rotated int4, 4-bit"]), ("f32", "f32", None),
+    ("polar3", "tq4", ["codec 0 PolarQuant, 3-bit", "codec 1 rotated int4, 4-bit"]),
+])
+def test_load_rules(tmp_path, file_tier, run_tier, words):
+    p = tmp_path / "c.coli_kv"
+    recs = records(FP, file_tier, 3)
+    overwrite(p, reference_bytes(FP, file_tier, recs))
+    before = digest(p)
+    f = ColiKVFile(p, FP, run_tier)
+    got = f.load()
+    if words is None:
+        assert same(got, recs)
+        return
+    assert len(got) == 0 and all(w in f.message for w in words), f.message
+    assert digest(p) == before
+    new = records(FP, run_tier, 2, seed=5)
+    f.append(new)
+    assert p.read_bytes() == reference_bytes(FP, run_tier, new)
+
+
+def test_other_model_and_bad_headers_start_clean(tmp_path):
+    p = tmp_path / "c.coli_kv"
+    other = Fingerprint(4, 512, 64, 0, 0, 1000)
+    overwrite(p, reference_bytes(other, "kv8", records(other, "kv8", 2)))
+    recs = records(FP, "kv8", 2)
+    f = ColiKVFile(p, FP, "kv8")
+    assert len(f.load()) == 0 and "different model or version" in f.message
+    cases = {
+        b"COLIKV9\0" + bytes(32): "not a .coli_kv cache",
+        b"GGUF\0\0\0\0" + bytes(32): "not a .coli_kv cache",
+        b"COLIKV2\0" + struct.pack("<8i", 3, -512, 64, 0, 0, 1000, 0, 1): "impossible header",
+        b"COLIKV2\0" + struct.pack("<8i", 3, 512, 64, 0, 0, 1000, -4, 1): "nrec=-4",
+        b"COLIKV3\0" + struct.pack("<8i", 3, 512, 64, 0, 0, 1000, 0, 0x0207): "unsupported v3",
+        b"COLIKV2\0" + bytes(10): "truncated",
+    }
+    for data, words in cases.items():
+        overwrite(p, data)
+        f = ColiKVFile(p, FP, "kv8")
+        assert len(f.load()) == 0 and words in f.message and str(p) in f.message, f.message
+    f.append(recs)
+    assert same(ColiKVFile(p, FP, "kv8").load(), recs)
+    with pytest.raises(HeaderError, match="impossible"):
+        overwrite(p, b"COLIKV1\0" + struct.pack("<8i", 0, 512, 64, 0, 0, 1000, 0, 0))
+        read_header(str(p))
+
+
+def test_nrec_rules_and_every_truncation(tmp_path):
+    p = tmp_path / "c.coli_kv"
+    recs = records(SMALL, "kv8", 4, seed=6)
+    full = reference_bytes(SMALL, "kv8", recs)
+    rec = RecordLayout(SMALL, "kv8").record_bytes
+    overwrite(p, reference_bytes(SMALL, "kv8", recs, nrec=0))
+    assert len(ColiKVFile(p, SMALL, "kv8").load()) == 0  # nrec < 1: empty
+    overwrite(p, reference_bytes(SMALL, "kv8", recs, nrec=2))  # uncommitted records past nrec
+    f = ColiKVFile(p, SMALL, "kv8")
+    assert same(f.load(), recs.slice(0, 2))
+    extra = records(SMALL, "kv8", 1, seed=9)
+    f.append(extra)
+    assert p.read_bytes() == reference_bytes(SMALL, "kv8", KVRecords.concat([recs.slice(0, 2), extra]))
+    for cut in range(40 + 3 * rec, len(full)):  # nrec=4 but the last record is short
+        overwrite(p, full[:cut])
+        f = ColiKVFile(p, SMALL, "kv8")
+        assert same(f.load(), recs.slice(0, 3)), cut
+        assert "only 3 are complete" in f.message
+    f.append(extra)  # heal: commit word fixed, torn bytes replaced
+    assert p.read_bytes() == reference_bytes(SMALL, "kv8", KVRecords.concat([recs.slice(0, 3), extra]))
+
+
+def test_sanitize_kv8_and_radius(tmp_path):
+    p = tmp_path / "c.coli_kv"
+    recs = records(FP, "kv8", 8, seed=2)
+    bad_scales = [np.nan, -1.0, 0.0, np.inf, 3.4028e38, -np.inf]
+    for j, s in enumerate(bad_scales):
+        recs.l_scale[j % 3, j] = s
+    recs.r_codes[1, 7, :5] = [0x7F, 0xFF, 0x7F, 0x01, 0x81]
+    recs.r_scale[1, 7] = 0.5
+    overwrite(p, reference_bytes(FP, "kv8", recs))
+    f = ColiKVFile(p, FP, "kv8")
+    got = f.load()
+    for j in range(len(bad_scales)):
+        assert got.l_scale[j % 3, j] == 1.0 and not got.l_codes[j % 3, j].any()
+    np.testing.assert_array_equal(got.r_codes[1, 7, :5], [0, 0, 0, 0x01, 0x81])
+    assert got.r_scale[1, 7] == np.float32(0.5)
+    ok = np.ones(got.l_scale.shape, bool)
+    for j in range(len(bad_scales)):
+        ok[j % 3, j] = False
+    np.testing.assert_array_equal(got.l_scale[ok], recs.l_scale[ok])
+    assert "rows with invalid scales" in f.message
+
+    t = records(FP, "tq4", 4, seed=3)
+    t.r_scale[0, :4] = [np.nan, -2.0, np.inf, 0.0]
+    overwrite(p, reference_bytes(FP, "tq4", t))
+    got = ColiKVFile(p, FP, "tq4").load()
+    np.testing.assert_array_equal(got.r_scale[0, :4], [0, 0, 0, 0])
+    np.testing.assert_array_equal(got.r_codes, t.r_codes)  # codes kept; radius 0 decodes to 0

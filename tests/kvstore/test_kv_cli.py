@@ -1,0 +1,129 @@
+"""`kvfleet kv inspect` / `kvfleet kv convert`: byte-identical conversion, clear errors (exit 2)."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from cluster.cli import main
+from diskdata import FP, FP_DSA, encoded, overwrite, records, same
+from kvstore.coli import ColiKVFile
+from kvstore.disk import ArrowKVFile
+from kvstore.records import KVRecords
+
+
+def write(cls, path, fp, tier, parts):
+    f = cls(path, fp, tier)
+    f.load()
+    for p in parts:
+        f.append(p)
+    return KVRecords.concat(parts)
+
+
+def run(capsys, *argv):
+    rc = main(list(map(str, argv)))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4", "polar6"])
+@pytest.mark.parametrize("fp", [FP, FP_DSA], ids=["mla", "dsa"])
+def test_convert_round_trip_byte_identical(tmp_path, capsys, tier, fp):
+    a, c, a2 = tmp_path / "in.arrow", tmp_path / "out.coli_kv", tmp_path / "back.arrow"
+    want = write(ArrowKVFile, a, fp, tier, [records(fp, tier, 5, 1), records(fp, tier, 4, 2)])
+    assert run(capsys, "kv", "convert", a, c, "--to", tier)[0] == 0
+    direct = tmp_path / "direct.coli_kv"
+    write(ColiKVFile, direct, fp, tier, [want])
+    assert c.read_bytes() == direct.read_bytes()  # same bytes the .coli_kv writer makes
+    assert run(capsys, "kv", "convert", c, a2, "--to", tier)[0] == 0
+    assert same(ArrowKVFile(a2, fp, tier).load(), want)
+    rc, out, _ = run(capsys, "kv", "inspect", a2)
+    assert rc == 0 and "records:      9" in out and "health:       ok" in out
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4", "polar3"])
+def test_convert_f32_equals_encode_rows(tmp_path, capsys, tier):
+    src, enc = encoded(FP, tier, 11, seed=7)
+    write(ColiKVFile, tmp_path / "f.coli_kv", FP, "f32", [src])
+    rc, out, _ = run(capsys, "kv", "convert", tmp_path / "f.coli_kv", tmp_path / "q", "--to", tier,
+                     "--format", "arrow")
+    assert rc == 0 and "wrote 11 records" in out
+    assert same(ArrowKVFile(tmp_path / "q", FP, tier).load(), enc)
+    # kv8 -> tq4 goes through f32 and says it is lossy
+    rc, out, _ = run(capsys, "kv", "convert", tmp_path / "q", tmp_path / "r.coli_kv", "--to", "f32")
+    assert rc == 0 and "lossy" in out
+
+
+def test_inspect_reports_torn_tail_and_model_check(tmp_path, capsys):
+    p = tmp_path / "c.arrow"
+    write(ArrowKVFile, p, FP, "kv8", [records(FP, "kv8", 3), records(FP, "kv8", 2, 1)])
+    overwrite(p, p.read_bytes()[:-10])
+    rc, out, _ = run(capsys, "kv", "inspect", p)
+    assert rc == 0 and "records:      3" in out and "torn or corrupt tail" in out
+    cfg = {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "kv_lora_rank": 512, "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16,
+           "intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "model_type": "deepseek_v3"}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m")
+    assert rc == 0 and "resume with kv8: load" in out
+    rc, out, err = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m", "--tier", "tq4")
+    assert rc == 2 and "KV8=1" in err and str(p) in err
+    cfg["num_hidden_layers"] = 5
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m")
+    assert rc == 2 and "different model" in err and str(p) in err
+
+
+def _bad_files(tmp_path):
+    hdr = lambda magic, *h: magic + struct.pack("<8i", *h)  # noqa: E731
+    other_arrow = pa.BufferOutputStream()
+    with ipc.new_stream(other_arrow, pa.schema([("x", pa.int32())])) as w:
+        w.write_batch(pa.record_batch([pa.array([1], pa.int32())], names=["x"]))
+    return {
+        "text.txt": (b"just some text\n", "not a KV cache"),
+        "empty.arrow": (b"", "not a KV cache"),
+        "magic.coli_kv": (hdr(b"COLIKV7\0", 3, 512, 64, 0, 0, 1000, 0, 1), "not a .coli_kv cache"),
+        "negdim.coli_kv": (hdr(b"COLIKV2\0", 3, 512, -64, 0, 0, 1000, 0, 1), "impossible header"),
+        "zerolayers.coli_kv": (hdr(b"COLIKV1\0", 0, 512, 64, 0, 0, 1000, 0, 0), "impossible header"),
+        "nrec.coli_kv": (hdr(b"COLIKV2\0", 3, 512, 64, 0, 0, 1000, 5, 1) + bytes(100), "nrec=5"),
+        "negnrec.coli_kv": (hdr(b"COLIKV2\0", 3, 512, 64, 0, 0, 1000, -1, 1), "nrec=-1"),
+        "tag.coli_kv": (hdr(b"COLIKV3\0", 3, 512, 64, 0, 0, 1000, 0, 0x0909), "unsupported v3"),
+        "v2tag.coli_kv": (hdr(b"COLIKV2\0", 3, 512, 64, 0, 0, 1000, 0, 3), "unsupported KV format"),
+        "short.coli_kv": (b"COLIKV2\0\1\0", "truncated"),
+        "dsa.coli_kv": (hdr(b"COLIKV1\0", 3, 512, 64, 16, 0, 1000, 0, 0), "index_hd=16"),
+        "other.arrow": (other_arrow.getvalue().to_pybytes(), "not a kvfleet KV cache"),
+        "torn.arrow": (b"\xff\xff\xff\xff\x10\x00", "not an Arrow IPC stream"),
+    }
+
+
+def test_inspect_bad_input_exit_2_names_file(tmp_path, capsys):
+    for name, (data, words) in _bad_files(tmp_path).items():
+        p = tmp_path / name
+        p.write_bytes(data)
+        rc, out, err = run(capsys, "kv", "inspect", p)
+        assert rc == 2, (name, out, err)
+        assert words in err and str(p) in err, (name, err)
+        assert "Traceback" not in err
+    rc, _, err = run(capsys, "kv", "inspect", tmp_path / "missing.arrow")
+    assert rc == 2 and "no such file" in err
+
+
+def test_convert_errors(tmp_path, capsys):
+    p = tmp_path / "c.arrow"
+    write(ArrowKVFile, p, FP, "f32", [records(FP, "f32", 2)])
+    rc, _, err = run(capsys, "kv", "convert", p, tmp_path / "out.bin", "--to", "kv8")
+    assert rc == 2 and "out.bin" in err and "--format" in err
+    (tmp_path / "junk").write_bytes(b"COLIKV9\0" + bytes(40))
+    rc, _, err = run(capsys, "kv", "convert", tmp_path / "junk", tmp_path / "o.arrow", "--to", "kv8")
+    assert rc == 2 and "junk" in err
+    assert not (tmp_path / "o.arrow").exists()
+    # hostile f32 rows (NaN/Inf/huge/subnormal) convert without error and stay finite in kv8
+    rc, _, _ = run(capsys, "kv", "convert", p, tmp_path / "k.coli_kv", "--to", "kv8")
+    got = ColiKVFile(tmp_path / "k.coli_kv", FP, "kv8").load()
+    assert rc == 0 and np.isfinite(got.l_scale).all() and (got.l_scale > 0).all()
