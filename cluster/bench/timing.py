@@ -1,7 +1,10 @@
 """Timing helpers shared by the `kvfleet bench` sub-benchmarks.
 
 `best_seconds` takes the minimum over repeats (the least disturbed run: these benchmarks
-run on shared machines). `blas_threads(n)` pins the BLAS thread pool that numpy loaded (via
+run on shared machines), on a chosen clock: CLOCKS["wall"] (perf_counter) or
+CLOCKS["cpu"] (process_time: CPU seconds of this process, which other processes on an
+oversubscribed machine inflate far less; with BLAS pinned to one thread it is the time one
+core spent). `blas_threads(n)` pins the BLAS thread pool that numpy loaded (via
 its C API, as threadpoolctl does) so that a figure means "n cores" and does not swing with
 the machine's other load; it yields the count it set, or None when numpy's BLAS exposes no
 such call (the figure is then taken with the BLAS default, and the result says so).
@@ -23,15 +26,19 @@ _OPENBLAS_CALLS = [("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num
                    ("openblas_set_num_threads", "openblas_get_num_threads")]
 
 
-def best_seconds(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
-    """Minimum wall time of fn() over `repeat` calls after `warmup` untimed calls."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def best_seconds(fn: Callable[[], object], repeat: int = 5, warmup: int = 1,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """Minimum time of fn() on `clock` over `repeat` calls after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(max(1, repeat)):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 

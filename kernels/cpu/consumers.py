@@ -132,12 +132,13 @@ def rebuild_count() -> int:
     return POLAR_REBUILDS.value
 
 
-def _polar_rows(codes: np.ndarray, scales: np.ndarray, n: int, bits: int) -> np.ndarray:
-    lead = codes.shape[:-1]
+def _polar_rows_t(codes: np.ndarray, scales: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """Rebuilt rows in the rotated domain, transposed: [..., n, T] (counted)."""
+    lead, T = codes.shape[:-2], codes.shape[-2]
     flat = codes.reshape(-1, codes.shape[-1])
     POLAR_REBUILDS.add(flat.shape[0])
-    rows = polar.decode_rotated(flat, np.asarray(scales, np.float32).reshape(-1), n, bits)
-    return rows.reshape(*lead, n)
+    yt = polar.decode_rotated_columns(flat, np.asarray(scales, np.float32).reshape(-1), n, bits)
+    return np.moveaxis(yt.reshape(n, *lead, T), 0, -2)
 
 
 def _polar_consumers(bits: int):
@@ -145,12 +146,12 @@ def _polar_consumers(bits: int):
         n = q.shape[-1]
         if not rotatable(n):
             return _tq_scores(q, codes, scales)  # the zeros of an inert width
-        return np.matmul(rotate(q), _polar_rows(codes, scales, n, bits).swapaxes(-1, -2))
+        return np.matmul(rotate(q), _polar_rows_t(codes, scales, n, bits))
 
     def _context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
         if not rotatable(n):
             return _tq_context(p, codes, scales, n)
-        return unrotate(np.matmul(p, _polar_rows(codes, scales, n, bits)))
+        return unrotate(np.matmul(p, _polar_rows_t(codes, scales, n, bits).swapaxes(-1, -2)))
 
     return _scores, _context
 

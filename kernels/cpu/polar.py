@@ -24,8 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from kernels.cpu.rotation import rotatable, rotate, unrotate
-from kernels.cpu.tq4 import live_rows, row_norms
+from kernels.cpu.rotation import rotatable, rotate_columns, unrotate_columns
+from kernels.cpu.tq4 import column_norms, live_rows
 
 PI = np.float32(math.pi)
 QUARTER_PI = PI / np.float32(4.0)
@@ -112,15 +112,34 @@ def _cos_sin(b: int, lo: float, width: float) -> tuple[np.ndarray, np.ndarray]:
     return cs, sn
 
 
+# Rows are processed in blocks, transposed to [n, rows] (one row per column): each level's
+# pairs r[2j], r[2j+1] are then whole contiguous rows, the bit plan gathers whole rows, and
+# the butterfly runs in the same layout (rotation.rotate_columns / unrotate_columns).
+_BLOCK_VALUES = 1 << 17
+
+
 def _pack(q: np.ndarray, n: int, bits: int) -> np.ndarray:
-    """All codes q[R, ncodes] (level 1 first) -> the LSB-first stream [R, row_bytes]."""
+    """All codes q[ncodes, rows] (level 1 first) -> the LSB-first stream [row_bytes, rows]."""
     plan = _stream_plan(n, bits)
-    val = np.zeros((q.shape[0], q.shape[1] + 1), np.uint16)  # last column: the dummy code
-    np.left_shift(q, plan["shift"], out=val[:, :-1])
-    out = np.zeros((q.shape[0], plan["contrib"].shape[0]), np.uint16)
+    val = np.zeros((q.shape[0] + 1, q.shape[1]), np.uint16)  # last row: the dummy code
+    np.left_shift(q, plan["shift"][:, None], out=val[:-1])
+    out = np.zeros((plan["contrib"].shape[0], q.shape[1]), np.uint16)
     for p in range(plan["contrib"].shape[1]):  # <= 8 fragments per byte
-        out |= val[:, plan["contrib"][:, p]] >> plan["part"][:, p]
+        out |= val[plan["contrib"][:, p]] >> plan["part"][:, p, None]
     return (out & np.uint16(0xFF)).astype(np.uint8)
+
+
+def _unpack(codes_t: np.ndarray, n: int, bits: int) -> list[np.ndarray]:
+    """The stream [row_bytes, rows] -> per level codes [count, rows] uint16, level 1 first."""
+    plan = _stream_plan(n, bits)
+    padded = np.zeros((codes_t.shape[0] + 1, codes_t.shape[1]), np.uint16)
+    padded[:-1] = codes_t
+    word = padded[plan["byte"]]
+    word |= padded[plan["byte"] + 1] << np.uint16(8)
+    word >>= plan["shift"][:, None]
+    word &= plan["mask"][:, None]
+    cuts = np.cumsum([c for c, _, _, _ in layout(n, bits)])[:-1]
+    return np.split(word, cuts, axis=0)
 
 
 def encode(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,53 +149,61 @@ def encode(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     nbytes = math.ceil(((n // 2) * bits + (n // 2 - 1) * max(1, bits - 1)) / 8)
     codes = np.zeros((rows, nbytes), dtype=np.uint8)
     radius = np.zeros(rows, dtype=np.float32)
-    norm = row_norms(x)
-    live = live_rows(norm, n)
-    if not live.any():
+    if not rotatable(n):
         return codes, radius
-    r = rotate(x[live])
-    fields = []
-    for lvl, (count, b, lo, width) in enumerate(layout(n, bits), start=1):
-        pairs = r.reshape(r.shape[0], count, 2)
-        angle = np.arctan2(pairs[:, :, 1], pairs[:, :, 0])
-        r = np.hypot(pairs[:, :, 0], pairs[:, :, 1])
-        fields.append(_quantize(angle, lvl, b, np.float32(lo), np.float32(width)))
-    codes[live] = _pack(np.concatenate(fields, axis=1), n, bits)
-    radius[live] = norm[live]
+    step = max(1, _BLOCK_VALUES // n)
+    for i in range(0, rows, step):  # a loop over cache-sized blocks, not rows
+        codes[i:i + step], radius[i:i + step] = _encode_block(x[i:i + step], bits)
     return codes, radius
 
 
-def _unpack(codes: np.ndarray, n: int, bits: int) -> list[np.ndarray]:
-    """The stream [R, row_bytes] -> per level codes [R, count] uint16, level 1 first."""
-    plan = _stream_plan(n, bits)
-    padded = np.zeros((codes.shape[0], codes.shape[1] + 1), np.uint16)
-    padded[:, :-1] = codes
-    word = padded[:, plan["byte"]]
-    word |= padded[:, plan["byte"] + 1] << np.uint16(8)
-    word >>= plan["shift"]
-    word &= plan["mask"]
-    cuts = np.cumsum([c for c, _, _, _ in layout(n, bits)])[:-1]
-    return np.split(word, cuts, axis=1)
+def _encode_block(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    n = x.shape[1]
+    xt = np.ascontiguousarray(x.T)
+    norm = column_norms(xt)
+    live = live_rows(norm, n)
+    fields = []
+    with np.errstate(invalid="ignore", over="ignore"):  # inert rows may be NaN/Inf: zeroed below
+        r = rotate_columns(xt)
+        for lvl, (count, b, lo, width) in enumerate(layout(n, bits), start=1):
+            a, c = r[0::2], r[1::2]
+            fields.append(_quantize(np.arctan2(c, a), lvl, b, np.float32(lo), np.float32(width)))
+            r = np.hypot(a, c)
+    packed = _pack(np.concatenate(fields, axis=0), n, bits).T
+    return (np.where(live[:, None], packed, np.uint8(0)),
+            np.where(live, norm, np.float32(0.0)).astype(np.float32))
+
+
+def decode_rotated_columns(codes: np.ndarray, radius: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """Rows in the rotated domain, transposed: [n, R] float32 (decode without the unrotate)."""
+    radius = np.asarray(radius, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        ok = (radius > 0) & np.isfinite(radius)
+    r = np.where(ok, radius, np.float32(0.0)).astype(np.float32)[None, :]
+    fields = _unpack(np.ascontiguousarray(np.asarray(codes, np.uint8).T), n, bits)
+    for q, (count, b, lo, width) in zip(reversed(fields), reversed(layout(n, bits))):
+        cs, sn = _cos_sin(b, lo, width)
+        nxt = np.empty((count, 2, r.shape[1]), np.float32)
+        np.multiply(r, cs[q], out=nxt[:, 0])
+        np.multiply(r, sn[q], out=nxt[:, 1])
+        r = nxt.reshape(2 * count, r.shape[1])
+    return r
 
 
 def decode_rotated(codes: np.ndarray, radius: np.ndarray, n: int, bits: int) -> np.ndarray:
     """Rows in the rotated domain [R, n] float32 (decode without the unrotate)."""
-    radius = np.asarray(radius, dtype=np.float32)
-    with np.errstate(invalid="ignore"):
-        ok = (radius > 0) & np.isfinite(radius)
-    r = np.where(ok, radius, np.float32(0.0)).astype(np.float32)[:, None]
-    fields = _unpack(codes, n, bits)
-    for q, (count, b, lo, width) in zip(reversed(fields), reversed(layout(n, bits))):
-        cs, sn = _cos_sin(b, lo, width)
-        nxt = np.empty((r.shape[0], count, 2), np.float32)
-        np.multiply(r, cs[q], out=nxt[:, :, 0])
-        np.multiply(r, sn[q], out=nxt[:, :, 1])
-        r = nxt.reshape(r.shape[0], 2 * count)
-    return r
+    return np.ascontiguousarray(decode_rotated_columns(codes, radius, n, bits).T)
 
 
 def decode(codes: np.ndarray, radius: np.ndarray, n: int, bits: int) -> np.ndarray:
     """codes[R, row_bytes], radius[R] -> x[R, n] float32."""
+    rows = codes.shape[0]
+    out = np.zeros((rows, n), dtype=np.float32)
     if not rotatable(n):
-        return np.zeros((codes.shape[0], n), dtype=np.float32)
-    return unrotate(decode_rotated(codes, radius, n, bits))
+        return out
+    radius = np.asarray(radius, dtype=np.float32)
+    step = max(1, _BLOCK_VALUES // n)
+    for i in range(0, rows, step):  # a loop over cache-sized blocks, not rows
+        yt = decode_rotated_columns(codes[i:i + step], radius[i:i + step], n, bits)
+        out[i:i + step] = unrotate_columns(yt).T
+    return out

@@ -88,6 +88,14 @@ def rotate_columns(xt: np.ndarray) -> np.ndarray:
     return _hadamard_columns(xt)
 
 
+def unrotate_columns(yt: np.ndarray) -> np.ndarray:
+    """In place on a contiguous float32 yt[n, rows] holding one row per column: D H(y)."""
+    _check(yt.shape[0])
+    _hadamard_columns(yt)
+    yt *= signs(yt.shape[0])[:, None]
+    return yt
+
+
 def rotate(x: np.ndarray) -> np.ndarray:
     """y = H(D x) on the last axis (float32)."""
     x = np.asarray(x, dtype=np.float32)

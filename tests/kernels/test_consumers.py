@@ -73,7 +73,7 @@ def test_fp8_and_tq4_never_decode_rows(name, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a native consumer decoded rows")
     for mod, fn in [(fp8, "decode"), (tq4, "decode"), (tq4, "decode_rotated"), (polar, "decode"),
-                    (polar, "decode_rotated")]:
+                    (polar, "decode_rotated"), (polar, "decode_rotated_columns")]:
         monkeypatch.setattr(mod, fn, boom)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 256)).astype(np.float32)

@@ -128,3 +128,12 @@ def test_codec_dispatch_any_leading_shape_and_error():
     c_big, s_big = fp8.encode(big)
     assert np.array_equal(c_big[650:], fp8.encode(big[650:])[0])
     assert np.array_equal(s_big[:3], fp8.encode(big[:3])[1])
+
+
+def test_strided_sweep_of_float32_bit_patterns():
+    """Every 211th float32 bit pattern up to 464 (both signs): all exponents, dense mantissas."""
+    bits = np.arange(0, 0x43E80000, 211, dtype=np.uint32)
+    v = np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32)
+    fast = fp8.enc(v)
+    assert np.array_equal(fast, v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    assert np.array_equal(fast[::7], fp8.enc_reference(v[::7]))

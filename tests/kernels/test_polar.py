@@ -80,28 +80,46 @@ def test_error_decreases_with_bits():
     assert errs[-1] < 0.05, errs
 
 
+def read_literal(stream, n, B):
+    """Codes per level (level 1 first) read back with an explicit LSB-first bit cursor."""
+    bits = [(int(stream[i // 8]) >> (i % 8)) & 1 for i in range(8 * len(stream))]
+    levels, cursor, count, level = [], 0, n // 2, 1
+    while count >= 1:
+        b = B if level == 1 else max(1, B - 1)
+        codes = []
+        for _ in range(count):
+            codes.append(sum(bits[cursor + k] << k for k in range(b)))
+            cursor += b
+        levels.append(codes)
+        count, level = count // 2, level + 1
+    return levels
+
+
 def test_decode_matches_literal_top_down():
     x = gaussian(3, 16, seed=2)
     codes, radius = polar.encode(x, 4)
     y = polar.decode(codes, radius, 16, 4)
-    fields = polar._unpack(codes, 16, 4)  # level 1 first
     for row in range(3):
+        fields = read_literal(codes[row], 16, 4)
         r = [radius[row]]
         for q, (count, b, lo, width) in zip(reversed(fields), reversed(polar.layout(16, 4))):
             c = [np.float32(lo) + (np.float32(v) + np.float32(0.5)) * np.float32(width) / np.float32(2 ** b)
-                 for v in q[row]]
+                 for v in q]
             r = [val for j in range(count) for val in (r[j] * np.cos(c[j]), r[j] * np.sin(c[j]))]
         expect = rotation.unrotate(np.array(r, np.float32)[None])[0]
         assert np.array_equal(y[row], expect)
 
 
 def test_deterministic_and_batch_independent():
-    x = gaussian(700, 256, seed=3)
+    x = gaussian(700, 256, seed=3)  # crosses the block size of encode and decode
     c1, s1 = polar.encode(x, 3)
     c2, s2 = polar.encode(x, 3)
     assert np.array_equal(c1, c2) and np.array_equal(s1, s2)
     c3, s3 = polar.encode(x[690:], 3)
     assert np.array_equal(c1[690:], c3) and np.array_equal(s1[690:], s3)
+    y = polar.decode(c1, s1, 256, 3)
+    assert np.array_equal(y[690:], polar.decode(c3, s3, 256, 3))
+    assert np.array_equal(y[:5], polar.decode(c1[:5], s1[:5], 256, 3))
 
 
 def test_inert_rows_and_bad_radius():
