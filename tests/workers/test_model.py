@@ -81,7 +81,7 @@ def test_logits_at_selects_rows(models):
     model, _ = models()
     pool = new_pool(model)
     s = pool.alloc_slot()
-    full = model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), new_pool(model) and pool)
+    full = model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), pool)
     s2 = pool.alloc_slot()
     some = model.forward(IDS, [s2] * len(IDS), np.arange(len(IDS)), pool, logits_at=[len(IDS) - 1, 2])
     np.testing.assert_allclose(some, full[[len(IDS) - 1, 2]], rtol=0, atol=1e-6)
