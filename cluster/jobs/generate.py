@@ -174,7 +174,7 @@ def _start_workers(cfg: JobConfig):
     if cfg.workers.runtime == "inprocess":
         return LocalGroup([Worker(spec) for spec, _ in placements]), lambda: None
     import ray
-    started = connect_ray(cfg)
+    started = connect_ray(cfg, placements)
     group = RayGroup(placements)
 
     def close() -> None:
@@ -184,9 +184,9 @@ def _start_workers(cfg: JobConfig):
     return group, close
 
 
-def connect_ray(cfg: JobConfig) -> bool:
-    """Join the cluster RAY_ADDRESS names, or start a local Ray. True if this call started
-    (and so must stop) Ray."""
+def connect_ray(cfg: JobConfig, placements=()) -> bool:
+    """Join the cluster RAY_ADDRESS names, or start a local Ray that offers the custom
+    resources the workers ask for. True if this call connected (and so must disconnect)."""
     import ray
     if ray.is_initialized():
         return False
@@ -199,6 +199,12 @@ def connect_ray(cfg: JobConfig) -> bool:
         os.environ["RAY_AUTH_MODE"] = "disabled"
         log.info("RAY_AUTH_MODE was unset: set to 'disabled' for the local Ray this job starts")
     n = cfg.workers.ray_num_cpus or os.cpu_count() or 1
-    log.info("no RAY_ADDRESS: starting a local Ray with %d CPUs", n)
-    ray.init(num_cpus=n, include_dashboard=False)
+    resources: dict[str, float] = {}
+    for _, opts in placements:
+        for k, v in opts.get("resources", {}).items():
+            resources[k] = resources.get(k, 0.0) + v
+    log.info("no RAY_ADDRESS: starting a local Ray with %d CPUs%s", n,
+             f" and resources {resources}" if resources else "")
+    # address="local": a new Ray of our own, even where `ray start` left a cluster running
+    ray.init(address="local", num_cpus=n, resources=resources or None, include_dashboard=False)
     return True

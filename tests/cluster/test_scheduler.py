@@ -151,3 +151,45 @@ def test_sampling_rows_reference():
     picks = sample_rows(flat, np.ones(500, np.float32), np.ones(500, np.float32),
                         np.zeros(500, np.uint64), np.arange(500, dtype=np.uint64))
     assert len(set(picks.tolist())) > 25
+
+
+# -- the real tiny model through the real KV pool, per tier ---------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from runtime_helpers import make_tiny
+    from workers.model import Model
+    from workers.tokenizer import Tokenizer
+    d = make_tiny(tmp_path_factory.mktemp("tiny"))
+    return Model.load(d), Tokenizer.from_dir(d)
+
+
+def run_real(tiny_model, tier, slots, items, prefill_chunk, max_ctx=96):
+    model, tok = tiny_model
+    group = LocalGroup([Worker(WorkerSpec("w0", "tiny", tier, slots, max_ctx), model=model)])
+    results = []
+    Scheduler(group, max_context=max_ctx, prefill_chunk=prefill_chunk, eos_ids=tok.eos_ids,
+              decode=tok.decode, tier=tier).run(items, results.append)
+    assert group.workers[0].pool.free_slots() == slots  # all slots handed back
+    return {r.id: r.completion_tokens for r in results}
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+def test_real_model_slots_1_and_8_identical(tiny_model, tier):
+    rng = np.random.default_rng(0)
+    lengths = rng.permutation(np.arange(1, 33, 2))  # 16 different lengths
+    items = [prep(i, rng.integers(5, 500, size=int(L)), max_tokens=5)
+             for i, L in enumerate(lengths)]
+    one = run_real(tiny_model, tier, 1, items, prefill_chunk=64)
+    eight = run_real(tiny_model, tier, 8, items, prefill_chunk=9)
+    assert len(one) == 16 and one == eight
+
+
+def test_real_model_prompt_alone_or_among_others(tiny_model):
+    rng = np.random.default_rng(4)
+    target = prep(0, rng.integers(5, 500, size=13), max_tokens=8)
+    alone = run_real(tiny_model, "f32", 8, [target], prefill_chunk=64)["r0"]
+    others = [prep(i, rng.integers(5, 500, size=int(rng.integers(1, 30))), max_tokens=3 + i % 4)
+              for i in range(1, 9)]
+    for order in (others + [target], [target] + others[::-1]):
+        got = run_real(tiny_model, "f32", 8, order, prefill_chunk=int(rng.integers(4, 40)))
+        assert got["r0"] == alone

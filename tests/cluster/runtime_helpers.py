@@ -1,0 +1,42 @@
+"""Helpers of the runtime tests: a tiny checkpoint, prompt files, result tables."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = ("the quick brown fox jumps over lazy dog cache expert latent slot token model "
+         "answer question Paris eight four rotated codes").split()
+
+
+def make_tiny(out_dir: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_tiny_model",
+                                                  ROOT / "scripts" / "make_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.make_tiny_model(out_dir, 0, ())
+
+
+def prompt_lines(n: int, seed: int = 0, max_tokens: int = 6) -> list[str]:
+    """n JSON lines with prompts of different lengths and per-line max_tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        words = rng.choice(WORDS, size=int(rng.integers(1, 14)))
+        out.append(json.dumps({"id": f"q{i}", "prompt": " ".join(words),
+                               "max_tokens": int(max_tokens + i % 3)}))
+    return out
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rows_by_id(path: Path) -> dict:
+    rows = pq.read_table(path).to_pylist()
+    return {r["id"] if r["id"] is not None else f"#line{r['line']}": r for r in rows}

@@ -1,0 +1,121 @@
+"""JobConfig: YAML < environment < flags, frozen, errors naming file/variable and field path."""
+from __future__ import annotations
+
+import logging
+
+import pydantic
+import pytest
+
+from cluster.cli import UsageError
+from cluster.config import (DEFAULT_MODEL, REPO_ROOT, JobConfig, JobConfigError, env_overrides,
+                            load_job_config, resolve_model)
+from cluster.commands.generate import DEFAULT_CONFIG
+
+
+def write(tmp_path, text, name="job.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_shipped_config_agree():
+    d = load_job_config(env={})
+    assert d.model == DEFAULT_MODEL == REPO_ROOT / "models" / "kvfleet-mini"
+    assert d.kv == "f32" and d.sampling.temperature == 0.0
+    shipped = load_job_config(DEFAULT_CONFIG, env={})
+    assert shipped == d  # configs/generate.yaml spells out the defaults
+
+
+def test_yaml_fields_and_frozen(tmp_path):
+    p = write(tmp_path, "kv: tq4\nslots: 3\nmax_context: 512\nsampling: {max_tokens: 5, top_p: 0.5}\n"
+                        "workers: {count: 2, resources: {cpu_worker: 1}, label_selector: {kind: cpu}}\n"
+                        "model: models/other\n")
+    c = load_job_config(p, env={})
+    assert (c.kv, c.slots, c.max_context, c.sampling.max_tokens, c.sampling.top_p) == \
+        ("tq4", 3, 512, 5, 0.5)
+    assert c.workers.resources == {"cpu_worker": 1.0} and c.workers.label_selector == {"kind": "cpu"}
+    assert c.model == REPO_ROOT / "models" / "other" and c.model_ref() == "models/other"
+    assert resolve_model(c.model_ref()) == c.model
+    with pytest.raises(pydantic.ValidationError):
+        c.slots = 4
+    with pytest.raises(pydantic.ValidationError):
+        c.sampling.seed = 1
+
+
+@pytest.mark.parametrize("text, where", [
+    ("slotz: 3\n", "slotz"),
+    ("sampling: {temperature: hot}\n", "sampling.temperature"),
+    ("sampling: {max_tokens: 0}\n", "sampling.max_tokens"),
+    ("workers: {count: 1, extra: 2}\n", "workers.extra"),
+    ("kv: tq3\n", "kv"),
+    ("max_context: 8\nblock_size: 16\n", "max_context"),
+])
+def test_errors_name_file_and_field(tmp_path, text, where):
+    p = write(tmp_path, text)
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(p, env={})
+    msg = str(e.value)
+    assert str(p) in msg and where in msg, msg
+    assert isinstance(e.value, UsageError)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(JobConfigError, match="cannot read config"):
+        load_job_config(tmp_path / "missing.yaml", env={})
+    with pytest.raises(JobConfigError, match="not valid YAML"):
+        load_job_config(write(tmp_path, "kv: [f32\n"), env={})
+    with pytest.raises(JobConfigError, match="top level must be a mapping"):
+        load_job_config(write(tmp_path, "- 1\n- 2\n"), env={})
+
+
+@pytest.mark.parametrize("env, tier", [
+    ({"KV8": "1"}, "kv8"),
+    ({"KV8": "0"}, "f32"),
+    ({"KV_TQ": "4"}, "tq4"),
+    ({"KV_TQ": "3", "KV_TQ_POLAR": "1"}, "polar3"),
+    ({"KV_TQ": "4", "KV_TQ_POLAR": "1"}, "polar4"),
+    ({"KV_TQ": "4", "KV8": "1"}, "tq4"),
+])
+def test_env_tier_knobs(env, tier):
+    assert load_job_config(env=env).kv == tier
+
+
+def test_env_tq_wins_over_kv8_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert env_overrides({"KV_TQ": "4", "KV8": "1"}) == {"kv": "tq4"}
+    assert "KV_TQ wins" in caplog.text
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"KV_TQ": "3"}, "tq3"),  # tq only exists with 4 bits
+    ({"KV_TQ": "7", "KV_TQ_POLAR": "1"}, "polar7"),
+    ({"KV_TQ": "four"}, "KV_TQ='four'"),
+    ({"KV_TQ_POLAR": "1"}, "KV_TQ_POLAR"),
+    ({"KVFLEET_SLOTS": "many"}, "KVFLEET_SLOTS='many'"),
+    ({"KVFLEET_SLOTS": "0"}, "slots"),
+])
+def test_env_errors_name_the_variable(env, match):
+    with pytest.raises(JobConfigError, match=match):
+        load_job_config(env=env)
+
+
+def test_precedence_yaml_env_flags(tmp_path):
+    p = write(tmp_path, "kv: kv8\nslots: 2\nsampling: {max_tokens: 7, seed: 9}\n")
+    env = {"KVFLEET_SLOTS": "5", "KV_TQ": "4", "KVFLEET_MAX_TOKENS": "11"}
+    c = load_job_config(p, env=env)
+    assert (c.kv, c.slots, c.sampling.max_tokens, c.sampling.seed) == ("tq4", 5, 11, 9)
+    c = load_job_config(p, env=env, overrides={"slots": 1, "sampling": {"max_tokens": 3}})
+    assert (c.kv, c.slots, c.sampling.max_tokens, c.sampling.seed) == ("tq4", 1, 3, 9)
+    with pytest.raises(JobConfigError, match="flags.*slots"):
+        load_job_config(p, env=env, overrides={"slots": 0})
+
+
+def test_model_from_env_is_relative_to_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    c = load_job_config(env={"KVFLEET_MODEL": "m"})
+    assert c.model == tmp_path.resolve() / "m" and c.model_ref() == str(tmp_path.resolve() / "m")
+
+
+def test_jobconfig_direct_construction_forbids_extras():
+    with pytest.raises(pydantic.ValidationError):
+        JobConfig(slot=3)

@@ -1,0 +1,172 @@
+"""The generate job on the tiny model: error rows, resume after a limit and after a kill,
+and the same results in-process, through the CLI, and on a local Ray started by the job."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from cluster.config import load_job_config
+from cluster.jobs.generate import run_generate, worker_placements
+from runtime_helpers import ROOT, make_tiny, prompt_lines, rows_by_id, write_lines
+
+N = 14
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def config(tiny, **kw):
+    over = {"model": str(tiny), "slots": 4, "max_context": 64, "prefill_chunk": 16,
+            "flush_every": 3, "workers": {"runtime": "inprocess"}}
+    over.update(kw)
+    return load_job_config(env={}, overrides=over)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """One full in-process run of the N standard prompts: id -> row."""
+    d = tmp_path_factory.mktemp("ref")
+    prompts = write_lines(d / "p.jsonl", prompt_lines(N))
+    s = run_generate(config(tiny), prompts, d / "out.parquet", progress=False)
+    assert s.done == N and s.errors == 0 and s.skipped == 0
+    rows = rows_by_id(d / "out.parquet")
+    assert set(rows) == {f"q{i}" for i in range(N)}
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows.values())
+    assert all(r["completion_token_count"] == len(r["completion_tokens"]) for r in rows.values())
+    return rows
+
+
+def same_completions(rows, reference):
+    for k, r in reference.items():
+        assert rows[k]["completion_tokens"] == r["completion_tokens"], k
+        assert rows[k]["completion"] == r["completion"], k
+
+
+def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
+    good = prompt_lines(N)
+    bad = {
+        2: ('{"id": "m", "prompt": "x"', "malformed JSON"),
+        4: (json.dumps({"id": "u", "prompt": "x", "temp": 1}), "unknown field"),
+        6: (json.dumps({"id": "e", "prompt": ""}), "empty prompt"),
+        8: (json.dumps({"id": "l", "prompt": " ".join(["fox"] * 200)}), "longer than the context"),
+        9: (json.dumps({"id": "t", "prompt_tokens": [1, 99999]}), "outside the vocabulary"),
+        11: (json.dumps({"id": "q0", "prompt": "again"}), "duplicate id 'q0'"),
+        13: (json.dumps({"id": "k", "prompt": "x", "max_tokens": "5"}), "'max_tokens' must be int"),
+        15: ("[1, 2]", "expected a JSON object"),
+    }
+    lines = list(good)
+    for at in sorted(bad):  # 1-based line numbers in the final file
+        lines.insert(at - 1, bad[at][0])
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    out = tmp_path / "out.parquet"
+    s = run_generate(config(tiny), prompts, out, progress=False)
+    table = pq.read_table(out)
+    assert table.num_rows == len(lines) and s.errors == len(bad)
+    assert table.column("line").to_pylist() == list(range(1, len(lines) + 1))
+    rows = {r["line"]: r for r in table.to_pylist()}
+    for at, (_, reason) in bad.items():
+        r = rows[at]
+        assert r["finish_reason"] == "error" and reason in r["error"], (at, r["error"])
+        assert r["error"].startswith(f"line {at}:") and r["completion_tokens"] == []
+    ok = {r["id"]: r for r in rows.values() if r["line"] not in bad}
+    assert all(r["error"] is None for r in ok.values())
+    same_completions(ok, reference)  # the bad lines changed nothing for the good ones
+
+
+def test_resume_after_limit_skips_done_ids(tiny, tmp_path, reference):
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N))
+    out = tmp_path / "out.parquet"
+    first = run_generate(config(tiny), prompts, out, limit=5, progress=False)
+    assert first.done == 5 and set(rows_by_id(out)) == {f"q{i}" for i in range(5)}
+    second = run_generate(config(tiny), prompts, out, progress=False)
+    assert second.skipped == 5 and second.done == N - 5  # nothing redone
+    rows = rows_by_id(out)
+    assert pq.read_table(out).num_rows == N and not (tmp_path / "out.parquet.parts").exists()
+    same_completions(rows, reference)
+    third = run_generate(config(tiny), prompts, out, progress=False)
+    assert third.skipped == N and third.done == 0 and pq.read_table(out).num_rows == N
+
+
+@pytest.mark.slow
+def test_killed_job_keeps_its_parts_and_resumes(tiny, tmp_path, reference):
+    """kill -9 the CLI half-way: the finished part files survive; a rerun completes the rest
+    without redoing them."""
+    lines = prompt_lines(N) + prompt_lines(30, seed=1, max_tokens=20)[N:]  # a longer tail
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {tiny}\nslots: 2\nmax_context: 64\nflush_every: 2\n"
+                   "workers: {runtime: inprocess}\n")
+    out = tmp_path / "out.parquet"
+    parts = tmp_path / "out.parquet.parts"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "generate", "--prompts", str(prompts),
+                             "--out", str(out), "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if parts.exists() and len(list(parts.glob("part-*.parquet"))) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    done_before = sum(pq.read_table(p).num_rows for p in parts.glob("part-*.parquet"))
+    assert 6 <= done_before < len(lines)
+    s = run_generate(load_job_config(cfg, env={}), prompts, out, progress=False)
+    assert s.skipped == done_before and s.done == len(lines) - done_before
+    table = pq.read_table(out)
+    ids = table.column("id").to_pylist()
+    assert sorted(ids) == sorted(json.loads(x)["id"] for x in lines)  # each id once
+    rows = rows_by_id(out)
+    assert all(r["finish_reason"] != "error" for r in rows.values())
+    for k, r in reference.items():  # slots 2 here vs 4 there: same greedy tokens
+        assert rows[k]["completion_tokens"] == r["completion_tokens"], k
+
+
+@pytest.mark.slow
+def test_cli_on_a_local_ray_matches_in_process(tiny, tmp_path, reference):
+    """`python -m cluster generate` without RAY_ADDRESS starts its own Ray (and turns auth
+    off when RAY_AUTH_MODE is unset), places the worker actor by a custom resource."""
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {tiny}\nslots: 4\nmax_context: 64\nprefill_chunk: 16\n"
+                   "workers: {count: 2, ray_num_cpus: 2, num_cpus: 1, resources: {cpu_worker: 1}}\n")
+    out = tmp_path / "out.parquet"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    p = subprocess.run([sys.executable, "-m", "cluster", "generate", "--prompts", str(prompts),
+                        "--out", str(out), "--config", str(cfg)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "RAY_AUTH_MODE was unset" in p.stderr
+    assert "starting a local Ray with 2 CPUs and resources {'cpu_worker': 2.0}" in p.stderr
+    rows = rows_by_id(out)
+    assert len(rows) == N and {r["worker"] for r in rows.values()} == {"worker0", "worker1"}
+    same_completions(rows, reference)
+
+
+def test_worker_placements_use_resources_and_labels(tiny, tmp_path):
+    c = config(tiny, workers={"count": 3, "num_cpus": 0.5, "resources": {"cpu_worker": 1},
+                              "label_selector": {"kind": "cpu"}})
+    pl = worker_placements(c)
+    assert [s.name for s, _ in pl] == ["worker0", "worker1", "worker2"]
+    assert all(o == {"num_cpus": 0.5, "resources": {"cpu_worker": 1.0},
+                     "label_selector": {"kind": "cpu"}} for _, o in pl)
+    assert all("num_gpus" not in o for _, o in pl)
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("nodes:\n"
+                     "  - {name: a, kind: cpu, devices: 2, memory: 8, slots: 3, "
+                     "resources: {cpu_worker: 2}, labels: {zone: x}}\n"
+                     "  - {name: g, kind: cuda, devices: 1, memory: 80, slots: 5, resources: {h200: 1}}\n")
+    pl = worker_placements(config(tiny, workers={"fleet": str(fleet)}))
+    assert [(s.name, s.slots) for s, _ in pl] == [("a/cpu0", 3), ("a/cpu1", 3), ("g/cuda0", 5)]
+    assert pl[0][1]["resources"] == {"cpu_worker": 1.0} and pl[0][1]["label_selector"] == {"zone": "x"}
+    assert pl[2][1]["num_gpus"] == 1 and pl[2][1]["resources"] == {"h200": 1.0}
