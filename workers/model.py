@@ -44,6 +44,7 @@ class Model:
         self.embed = params["embed"]
         self.norm = params["norm"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else params["lm_head"]
+        self.dense_past_topk = False  # a DSA model attended densely past index_topk (said once)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             pre = f"layers.{i}."
@@ -72,6 +73,7 @@ class Model:
             raise ValueError(f"token ids {bad} are outside the vocabulary [0, {V})")
         if positions.min() < 0:
             raise ValueError(f"negative positions {positions[positions < 0][:5].tolist()}")
+        self._note_dense_dsa(positions)
         x = self.embed[tokens]
         cos, sin = self.rope.cos_sin(positions)
         for layer in self.layers:
@@ -80,3 +82,14 @@ class Model:
             x = x[np.asarray(logits_at, np.int64)]
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return (x @ self.lm_head.T).astype(np.float32, copy=False)
+
+    def _note_dense_dsa(self, positions: np.ndarray) -> None:
+        """DSA (the index_* sparse attention of GLM-5) is not built yet: attention is dense,
+        which equals DSA while a context holds at most index_topk tokens. Say so once when a
+        context grows past it."""
+        topk = self.config.index_topk
+        if topk and not self.dense_past_topk and int(positions.max()) + 1 > topk:
+            self.dense_past_topk = True
+            log.warning("context of %d tokens is past index_topk=%d: kvfleet attends densely "
+                        "(DSA sparse selection is not implemented), so logits differ from DSA",
+                        int(positions.max()) + 1, topk)

@@ -137,3 +137,22 @@ def test_bad_inputs_are_errors(models):
         model.forward([512], [s], [0], pool)
     with pytest.raises(ValueError, match="equal"):
         model.forward([1, 2], [s], [0, 1], pool)
+
+
+def test_dsa_model_says_once_that_it_attends_densely_past_index_topk(tiny, caplog):
+    import dataclasses
+    import logging
+
+    from kvstore.pool import KVPool
+    from workers.model import Model
+    m = Model.load(tiny("glm"))
+    m.config = dataclasses.replace(m.config, index_topk=8)  # a short index_topk for the test
+    pool = KVPool.for_model(m.config, "f32", slots=1, max_ctx=32)
+    s = pool.alloc_slot()
+    with caplog.at_level(logging.WARNING, logger="workers.model"):
+        m.forward(np.arange(8), np.full(8, s), np.arange(8), pool)  # exactly index_topk: quiet
+        assert not m.dense_past_topk and "index_topk" not in caplog.text
+        m.forward(np.arange(3), np.full(3, s), np.arange(8, 11), pool)
+        m.forward([3], [s], [11], pool)
+    assert m.dense_past_topk
+    assert caplog.text.count("past index_topk=8") == 1
