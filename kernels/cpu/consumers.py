@@ -82,7 +82,7 @@ def _fp8_context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -
 # One rotation per query row, one unrotate per context row, none per cached token.
 
 def _tq_levels(codes: np.ndarray) -> np.ndarray:
-    """Codebook levels [..., T, n] (one [256, 2] table gather per byte), unscaled."""
+    """Codebook levels [..., T, n], unscaled (one 8-byte table word gathered per code byte)."""
     return tq4.unpack_levels(codes)
 
 
@@ -158,5 +158,4 @@ def _polar_consumers(bits: int):
 
 _CONSUMERS["fp8"] = (_fp8_scores, _fp8_context)
 _CONSUMERS["tq"] = (_tq_scores, _tq_context)
-for _bits in range(2, 7):
-    _CONSUMERS[f"polar{_bits}"] = _polar_consumers(_bits)
+_CONSUMERS.update({f"polar{b}": _polar_consumers(b) for b in range(2, 7)})
