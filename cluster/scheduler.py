@@ -59,17 +59,24 @@ class _Seq:
 @dataclass
 class SchedulerStats:
     steps: int = 0
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # whole iterations (admission, batches, step, results)
     forward_s: float = 0.0  # per step, the slowest worker's forward time
     tokens: int = 0  # generated tokens (EOS included)
     decode_steps: int = 0  # steps with no prompt tokens in them
     decode_wall_s: float = 0.0
     decode_forward_s: float = 0.0
+    decode_driver_s: float = 0.0  # the scheduler's own Python: admission, batches, results
     decode_tokens: int = 0
 
     @property
     def overhead_per_decode_step_s(self) -> float:
+        """Everything in a decode step that is not Model.forward: the scheduler's own work,
+        the worker's slot mapping and sampling, and the Ray round trip where there is one."""
         return (self.decode_wall_s - self.decode_forward_s) / max(self.decode_steps, 1)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_wall_s if self.decode_wall_s else 0.0
 
 
 class Scheduler:
@@ -93,6 +100,7 @@ class Scheduler:
         waiting = deque(items)
         active: list[_Seq] = []
         while waiting or active:
+            t_iter = self.clock()
             if should_stop():
                 waiting.clear()
             self._admit(waiting, active)
@@ -110,9 +118,10 @@ class Scheduler:
                 active.clear()
                 self._release = [[] for _ in self.group.names]
                 continue
-            wall = self.clock() - t0
+            t1 = self.clock()
             n_tok = self._apply(outs, sampled, active, on_result)
-            self._account(outs, wall, n_tok, n_prompt)
+            wall = self.clock() - t_iter
+            self._account(outs, wall, wall - (t1 - t0), n_tok, n_prompt)
         self._flush_releases()
         return self.stats
 
@@ -231,7 +240,7 @@ class Scheduler:
                       ttft_s=None if s.t_first is None else s.t_first - s.t_admit,
                       decode_tokens_per_s=rate)
 
-    def _account(self, outs: dict[int, StepOutput], wall: float, n_tok: int,
+    def _account(self, outs: dict[int, StepOutput], wall: float, driver: float, n_tok: int,
                  n_prompt: int) -> None:
         fwd = max((o.forward_s for o in outs.values()), default=0.0)
         st = self.stats
@@ -243,6 +252,7 @@ class Scheduler:
             st.decode_steps += 1
             st.decode_wall_s += wall
             st.decode_forward_s += fwd
+            st.decode_driver_s += driver
             st.decode_tokens += n_tok
         self.metrics.step(n_tok, wall)
         for w, o in outs.items():
