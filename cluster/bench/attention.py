@@ -41,11 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in SHAPES],
                    metavar="BxT")
-    p.add_argument("--heads", nargs="+", type=int, default=HEADS)
+    p.add_argument("--heads", dest="head_counts", nargs="+", type=int, default=HEADS)
     p.add_argument("--tiers", nargs="+", default=TIERS, choices=TIERS)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--cpu-divide", type=int, default=64,
                    help="cpu backend: divide every T by this (numpy is slow)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="cuda: also time variants that leave stages out (16x32768)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -56,6 +58,7 @@ def flops_per_token(H: int) -> int:
 # ---- CUDA ------------------------------------------------------------------------------
 
 def _cuda_time(fn, repeat: int, warmup: int = 3) -> float:
+    """Median seconds of fn() between CUDA events on the current stream."""
     import cupy as cp
     for _ in range(warmup):
         fn()
@@ -68,6 +71,50 @@ def _cuda_time(fn, repeat: int, warmup: int = 3) -> float:
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3)
     return statistics.median(times)
+
+
+CALLS_PER_GRAPH = 10
+
+
+def _graph_time(fn, repeat: int) -> tuple[float, str]:
+    """Median seconds per call of fn() replayed from a CUDA graph of CALLS_PER_GRAPH calls
+    (device time without Python launch gaps, as a serving loop with graphs sees it), or
+    of back-to-back calls on a stream when capture is refused. Returns (seconds, method)."""
+    import cupy as cp
+    # Inputs were made on the legacy default stream, which a non-blocking stream does not
+    # wait for: finish them first.
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):  # warm-up: compiles, and fills the memory pool with the buffers
+            fn()
+        stream.synchronize()
+        try:
+            stream.begin_capture()
+            for _ in range(CALLS_PER_GRAPH):
+                fn()
+            graph = stream.end_capture()
+            run, method = (lambda: graph.launch(stream)), "graph"
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            print(f"bench attention: graph capture refused ({e}); timing stream calls",
+                  file=sys.stderr)
+            stream.synchronize()
+
+            def run():
+                for _ in range(CALLS_PER_GRAPH):
+                    fn()
+            method = "stream"
+        run()
+        stream.synchronize()
+        times = []
+        for _ in range(repeat):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            run()
+            b.record(stream)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / CALLS_PER_GRAPH)
+    return statistics.median(times), method
 
 
 def measure_ceilings(repeat: int) -> dict:
@@ -129,24 +176,57 @@ def bench_cuda(args) -> dict:
             tier = get_tier(tier_name)
             planes, tables = _device_planes(tier, B, T, rng)
             nbytes = B * T * tier.token_bytes(DL, DR)
-            for H in args.heads:
+            for H in args.head_counts:
                 q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
                 q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
                 fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
                     tier, planes, tables, plan, q_lat, q_rope, SCALE)
-                t = _cuda_time(fn, args.repeat)
+                t, method = _graph_time(fn, args.repeat)
                 flops = B * T * flops_per_token(H)
                 floor = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["f16_flops_per_s"])
                 rows.append({"tier": tier_name, "B": B, "T": T, "H": H, "ms": 1e3 * t,
                              "GB_per_s": nbytes / t / 1e9, "TFLOP_per_s": flops / t / 1e12,
                              "floor_ms": 1e3 * floor, "x_floor": t / floor,
                              "bound": "bytes" if nbytes / ceil["copy_bytes_per_s"] >= flops / ceil["f16_flops_per_s"] else "flops",
-                             "splits": plan.n_work})
+                             "splits": plan.n_work, "timing": method})
             del planes, tables
             cp.get_default_memory_pool().free_all_blocks()
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    return {"backend": "cuda", "device": name, "sms": props["multiProcessorCount"],
-            **ceil, "rows": rows, "checks": _checks(rows)}
+    res = {"backend": "cuda", "device": name, "sms": props["multiProcessorCount"],
+           **ceil, "rows": rows, "checks": _checks(rows)}
+    if args.breakdown:
+        res["breakdown"] = breakdown(args, ceil)
+    return res
+
+
+SKIPS = {"full": 0, "no convert": 1, "no scores": 2, "no context": 4, "no loads": 8,
+         "loads only": 1 | 2 | 4, "no mma": 2 | 4}
+
+
+def breakdown(args, ceil) -> list[dict]:
+    """Time of variants that leave stages out (attention.cu SKIP; results discarded) at
+    16 x 32768: where a tile's time goes."""
+    import cupy as cp
+    from kernels.cuda import attention as cuda_attention
+    rng = np.random.default_rng(1)
+    B, T = 16, 32768
+    plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1))
+    out = []
+    for tier_name in args.tiers:
+        tier = get_tier(tier_name)
+        planes, tables = _device_planes(tier, B, T, rng)
+        for H in args.head_counts:
+            q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
+            q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
+            row = {"tier": tier_name, "H": H}
+            for name, skip in SKIPS.items():
+                fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
+                    tier, planes, tables, plan, q_lat, q_rope, SCALE, _skip=skip)
+                row[name] = 1e3 * _graph_time(fn, max(5, args.repeat // 2))[0]
+            out.append(row)
+        del planes, tables
+        cp.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def _checks(rows) -> list[str]:
@@ -183,7 +263,7 @@ def bench_cpu(args) -> dict:
             planes = LayerPlanes(lc.reshape(B * nb, BS, -1), ls.reshape(B * nb, BS),
                                  rc.reshape(B * nb, BS, -1), rs.reshape(B * nb, BS))
             tables = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
-            for H in args.heads:
+            for H in args.head_counts:
                 ql = rng.standard_normal((B, 1, H, DL), dtype=np.float32)
                 qr = rng.standard_normal((B, 1, H, DR), dtype=np.float32)
                 pos = np.full((B, 1), T - 1)
@@ -213,6 +293,11 @@ def _print_table(res: dict) -> None:
                   f"{r['x_floor']:7.2f} {r['bound']}")
         for c in res["checks"]:
             print(c)
+        if res.get("breakdown"):
+            names = list(SKIPS)
+            print("breakdown at 16x32768, ms per call: " + " | ".join(names))
+            for r in res["breakdown"]:
+                print(f"{r['tier']:5} H={r['H']:<3} " + " ".join(f"{r[n]:8.3f}" for n in names))
     else:
         print(f"{'tier':5} {'BxT':>9} {'H':>3} {'ms':>9} {'GB/s':>7}")
         for r in res["rows"]:

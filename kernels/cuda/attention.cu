@@ -3,7 +3,9 @@
 //
 // Compile-time parameters (-D): TIER 0 f32 / 1 kv8 / 2 tq4; MT = m-tiles of 16 heads per CTA
 // (1..4, so up to 64 heads share one pass over the cache); BT = tokens per tile; DL, DR =
-// latent and rope widths (DL % 64 == 0, DR % 16 == 0).
+// latent and rope widths (DL % 64 == 0, DR % 16 == 0); NSTAGE = raw tiles in flight (1 or
+// 2, as shared memory allows); SKIP (timing only, results wrong) leaves stages out:
+// 1 the f16 conversion, 2 the score products, 4 the context products, 8 the loads.
 //
 // Products run on the tensor cores: mma.sync m16n8k16, f16 operands, f32 accumulate. Every
 // tile of BT tokens is copied raw (cp.async) into a staging buffer while the previous tile
@@ -22,6 +24,9 @@
 // by c at the end. Queries are pre-scaled per head to max |q| = 1 in f16 (attn_qprep), with
 // softmax_scale * log2(e) * max|q| in qscale, so the softmax runs in base 2.
 
+#ifndef SKIP
+#define SKIP 0
+#endif
 #define NTHREADS 256
 #define NWARPS 8
 #define DK (DL + DR)
@@ -56,12 +61,13 @@ typedef unsigned int u32;
 #define SM_K (SM_Q + MROWS * KSTR * 2)
 #define SM_P (SM_K + BT * KSTR * 2)
 #define SM_STAGE (SM_P + MROWS * PSTR * 2)
-#define SM_RAWS (SM_STAGE + ((BT * (LROW + RROW) + 15) / 16) * 16)
-#define SM_SSL (SM_RAWS + 2 * BT * 4)
+#define STAGE_BYTES (((BT * (LROW + RROW) + 15) / 16) * 16)
+#define SM_RAWS (SM_STAGE + NSTAGE * STAGE_BYTES)
+#define SM_SSL (SM_RAWS + NSTAGE * 2 * BT * 4)
 #define SM_SSR (SM_SSL + BT * 4)
 #define SM_BIAS (SM_SSR + BT * 4)
 #define SM_GL (SM_BIAS + BT * 4)
-#define SM_MAX (SM_GL + 2 * BT * 4)
+#define SM_MAX (SM_GL + 3 * BT * 4)
 #define SM_LSUM (SM_MAX + TG * MROWS * 4)
 #define SM_MFIN (SM_LSUM + TG * MROWS * 4)
 #define SM_LUT (SM_MFIN + MROWS * 4)
@@ -113,6 +119,10 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Wait until at most NSTAGE - 1 committed groups are still in flight.
+__device__ __forceinline__ void cp_wait_stage() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(NSTAGE - 1) : "memory");
+}
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -132,12 +142,15 @@ __device__ __forceinline__ u32 f2h(float x) {
 }
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) { return f2h(lo) | (f2h(hi) << 16); }
 
-// Two e4m3 bytes (bits 0-7 and 16-23 of t) -> half2 of value * 2^-8, NaN codes -> 0.
+// Four e4m3 bytes with the NaN codes 0x7F / 0xFF replaced by 0x00 (they decode to 0).
+__device__ __forceinline__ u32 fp8x4_clean(u32 w) {
+    u32 nan = (((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) >> 7;  // 1 per NaN byte
+    return w & ~(nan * 0xFFu);
+}
+// Two e4m3 bytes (bits 0-7 and 16-23 of t) -> half2 of value * 2^-8: the 7 magnitude bits
+// land in the f16 exponent/mantissa fields (bias 15 vs 7), subnormals included, exactly.
 __device__ __forceinline__ u32 fp8x2_h2(u32 t) {
-    u32 mag = t & 0x007F007Fu;
-    u32 h = (mag << 7) | ((t & 0x00800080u) << 8);
-    u32 nan = ((mag & 0xFFFFu) == 0x7Fu ? 0x0000FFFFu : 0u) | ((mag >> 16) == 0x7Fu ? 0xFFFF0000u : 0u);
-    return h & ~nan;
+    return ((t & 0x007F007Fu) << 7) | ((t << 8) & 0x80008000u);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -228,7 +241,7 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
     float* ssL = (float*)(smem + SM_SSL);
     float* ssR = (float*)(smem + SM_SSR);
     float* sbias = (float*)(smem + SM_BIAS);
-    int* sgl = (int*)(smem + SM_GL);        // [2][BT] flat pool row of each token, -1 = none
+    int* sgl = (int*)(smem + SM_GL);        // [3][BT] flat pool row of each token, -1 = none
     float* smax = (float*)(smem + SM_MAX);  // [TG][MROWS]
     float* slsum = (float*)(smem + SM_LSUM);
     float* smfin = (float*)(smem + SM_MFIN);
@@ -242,8 +255,16 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
     const int t0 = work[4 * w_id + 2], t1 = work[4 * w_id + 3];
     const int ntiles = (t1 - t0 + BT - 1) / BT;
     const int* table = tables + (size_t)trow * nb;
+    // flat pool row of token i of tile k (-1: past the range or no block)
+    auto lookup = [&](int k, int i) -> int {
+        int t = t0 + k * BT + i;
+        if (k >= ntiles || t >= t1) return -1;
+        int b = table[t / bs];
+        return b >= 0 ? b * bs + t % bs : -1;
+    };
 
-    // ---- prologue: queries, codebook, rows of tile 0 ----
+    // ---- prologue: queries, codebook, rows of the first tiles ----
+    int pre = -1;  // threads < BT: the row of their token NSTAGE tiles ahead, loaded early
     {
         const uint4* src = (const uint4*)(qh + ((size_t)qn * Hpad + h0) * DK);
         for (int u = tid; u < MROWS * (DK / 8); u += NTHREADS) {
@@ -253,40 +274,37 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
 #if TIER == 2
         for (int i = tid; i < 256; i += NTHREADS) slut[i] = lut[i];
 #endif
-        if (warp == 1) {
-            for (int i = lane; i < BT; i += 32) {
-                int t = t0 + i, gl = -1;
-                if (t < t1) {
-                    int b = table[t / bs];
-                    gl = b >= 0 ? b * bs + t % bs : -1;
-                }
-                sgl[i] = gl;
-            }
+        if (tid < BT) {
+            for (int k = 0; k < NSTAGE; ++k) sgl[k * BT + tid] = lookup(k, tid);
+            pre = lookup(NSTAGE, tid);
         }
     }
     __syncthreads();
 
-    auto issue = [&](int tile) {  // cp.async of the rows of `tile` into the staging buffer
-        const int* gls = sgl + (tile & 1) * BT;
-        for (int c = tid; c < BT * CPT; c += NTHREADS) {
-            int i = c / CPT, j = c % CPT, gl = gls[i];
-            if (gl < 0) continue;
-            if (j < LCH)
-                cp_async(smem_u32(stage + i * LROW + j * CH),
-                         l_codes + (size_t)gl * LROW + j * CH);
-            else
-                cp_async(smem_u32(stage + BT * LROW + i * RROW + (j - LCH) * CH),
-                         r_codes + (size_t)gl * RROW + (j - LCH) * CH);
-        }
-        if (tid < BT && gls[tid] >= 0) {
-            cp_async4(smem_u32(raws + tid), l_scale + gls[tid]);
-            cp_async4(smem_u32(raws + BT + tid), r_scale + gls[tid]);
+    // cp.async of the rows of `tile` into staging buffer tile % NSTAGE; always commits a
+    // group (empty past the end) so that cp_wait_stage counts stay uniform.
+    auto issue = [&](int tile) {
+        if (tile < ntiles && !(SKIP & 8)) {
+            const int* gls = sgl + (tile % 3) * BT;
+            unsigned char* st = stage + (tile % NSTAGE) * STAGE_BYTES;
+            float* rw = raws + (tile % NSTAGE) * 2 * BT;
+            for (int c = tid; c < BT * CPT; c += NTHREADS) {
+                int i = c / CPT, j = c % CPT, gl = gls[i];
+                if (gl < 0) continue;
+                if (j < LCH)
+                    cp_async(smem_u32(st + i * LROW + j * CH), l_codes + (size_t)gl * LROW + j * CH);
+                else
+                    cp_async(smem_u32(st + BT * LROW + i * RROW + (j - LCH) * CH),
+                             r_codes + (size_t)gl * RROW + (j - LCH) * CH);
+            }
+            if (tid < BT && gls[tid] >= 0) {
+                cp_async4(smem_u32(rw + tid), l_scale + gls[tid]);
+                cp_async4(smem_u32(rw + BT + tid), r_scale + gls[tid]);
+            }
         }
         cp_commit();
     };
-    issue(0);
-    cp_wait_all();
-    __syncthreads();
+    for (int k = 0; k < NSTAGE; ++k) issue(k);
 
     // score-warp rows (r0, r0 + 8) and their running max / partial sum
     const int mw = warp % MT, tg = warp / MT;
@@ -306,20 +324,26 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
     float c_run = 1.17549435e-38f;  // running max of the L scales (FLT_MIN: never 0)
 
     for (int it = 0; it < ntiles; ++it) {
-        const int cur = it & 1;
-        const int* gls = sgl + cur * BT;
+        const int* gls = sgl + (it % 3) * BT;
+        const unsigned char* stage_c = stage + (it % NSTAGE) * STAGE_BYTES;
+        const float* raws_c = raws + (it % NSTAGE) * 2 * BT;
+        cp_wait_stage();  // this tile's rows have landed (later tiles may still be in flight)
+        __syncthreads();  // ... for every thread; and the last tile's Ks / Ps are free
         // ---- convert the staged tile to f16 rows (invalid tokens -> zero rows) ----
         for (int u = tid; u < BT * (DK / 8); u += NTHREADS) {
+            if (SKIP & 1) break;
             int i = u / (DK / 8), j = u % (DK / 8);
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (gls[i] >= 0) {
-                const unsigned char* s = j < DL / 8 ? stage + i * LROW + j * (LROW / (DL / 8))
-                                                    : stage + BT * LROW + i * RROW + (j - DL / 8) * (RROW / (DR / 8));
+                const unsigned char* s = j < DL / 8 ? stage_c + i * LROW + j * (LROW / (DL / 8))
+                                                    : stage_c + BT * LROW + i * RROW + (j - DL / 8) * (RROW / (DR / 8));
 #if TIER == 0
                 float4 a = ((const float4*)s)[0], b = ((const float4*)s)[1];
                 v = make_uint4(pack_h2(a.x, a.y), pack_h2(a.z, a.w), pack_h2(b.x, b.y), pack_h2(b.z, b.w));
 #elif TIER == 1
                 uint2 w = *(const uint2*)s;
+                w.x = fp8x4_clean(w.x);
+                w.y = fp8x4_clean(w.y);
                 v = make_uint4(fp8x2_h2(__byte_perm(w.x, 0, 0x4140)), fp8x2_h2(__byte_perm(w.x, 0, 0x4342)),
                                fp8x2_h2(__byte_perm(w.y, 0, 0x4140)), fp8x2_h2(__byte_perm(w.y, 0, 0x4342)));
 #else
@@ -338,9 +362,9 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
 #if TIER == 0
                     sl = 1.0f; sr = 1.0f;
 #elif TIER == 1
-                    sl = raws[i] * 256.0f; sr = raws[BT + i] * 256.0f;
+                    sl = raws_c[i] * 256.0f; sr = raws_c[BT + i] * 256.0f;
 #else
-                    float a = raws[i], b = raws[BT + i];
+                    float a = raws_c[i], b = raws_c[BT + i];
                     sl = (a > 0.0f && isfinite(a)) ? a / sqrtf((float)DL) : 0.0f;
                     sr = (b > 0.0f && isfinite(b)) ? b / sqrtf((float)DR) : 0.0f;
 #endif
@@ -350,19 +374,11 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
             }
             for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
             if (lane == 0) sctile[0] = cm;
-        } else if (warp == 1) {  // pool rows of the next tile
-            const int tn = t0 + (it + 1) * BT;
-            for (int i = lane; i < BT; i += 32) {
-                int t = tn + i, gl = -1;
-                if (t < t1) {
-                    int b = table[t / bs];
-                    gl = b >= 0 ? b * bs + t % bs : -1;
-                }
-                sgl[(cur ^ 1) * BT + i] = gl;
-            }
         }
+        if (tid < BT) sgl[((it + NSTAGE) % 3) * BT + tid] = pre;
         __syncthreads();
-        if (it + 1 < ntiles) issue(it + 1);  // overlaps with this tile's products
+        issue(it + NSTAGE);  // overlaps with this tile's products (and the next tiles')
+        if (tid < BT) pre = lookup(it + NSTAGE + 1, tid);  // consumed one tile later
 
         // ---- scores: warp (mw, tg) -> rows mw*16.., tokens tg*NT*8.. ----
         float s[NT][4];
@@ -378,6 +394,7 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
                                    : smem_u32(Ks + (tb + (lane & 7)) * KSTR + ((lane >> 3) & 1) * 8);
 #pragma unroll 4
             for (int ks = 0; ks < DK / 16; ++ks) {
+                if (SKIP & 2) break;
                 u32 a[4];
                 ldsm_x4(a[0], a[1], a[2], a[3], qa + ks * 32);
 #pragma unroll
@@ -461,6 +478,7 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
             const u32 vb = smem_u32(Ks + ((lane & 7) + ((lane >> 3) & 1) * 8) * KSTR + warp * DW + (lane >> 4) * 8);
 #pragma unroll
             for (int ks = 0; ks < BT / 16; ++ks) {
+                if (SKIP & 4) break;
                 u32 a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -482,9 +500,8 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
             }
         }
         c_run = c_new;
-        cp_wait_all();
-        __syncthreads();
     }
+    cp_wait_all();
 
     // ---- epilogue: row sums, (max, sum), partial context * c ----
     if (warp < SW) {

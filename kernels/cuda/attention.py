@@ -50,10 +50,13 @@ class Shape:
     bt: int  # tokens per tile
     dl: int
     dr: int
+    nstage: int = 1  # raw tiles in flight
+    skip: int = 0    # attention.cu SKIP: timing variants only
 
     @property
     def defines(self) -> dict:
-        return dict(TIER=self.tier_id, MT=self.mt, BT=self.bt, DL=self.dl, DR=self.dr)
+        return dict(TIER=self.tier_id, MT=self.mt, BT=self.bt, DL=self.dl, DR=self.dr,
+                    NSTAGE=self.nstage, SKIP=self.skip)
 
     def shared_bytes(self) -> int:
         """attention.cu SM_TOTAL."""
@@ -61,16 +64,41 @@ class Shape:
         tg = min(8 // self.mt, self.bt // 8)
         per = {0: 4.0, 1: 1.0, 2: 0.5}[self.tier_id]
         stage = int(self.bt * (self.dl + self.dr) * per)
-        return (2 * mrows * kstr + 2 * self.bt * kstr + 2 * mrows * pstr + -(-stage // 16) * 16
-                + 4 * 2 * self.bt + 3 * 4 * self.bt + 4 * 2 * self.bt + 2 * 4 * tg * mrows
-                + 4 * mrows + 4 * 256 + 16)
+        return (2 * mrows * kstr + 2 * self.bt * kstr + 2 * mrows * pstr
+                + self.nstage * (-(-stage // 16) * 16 + 4 * 2 * self.bt) + 3 * 4 * self.bt
+                + 4 * 3 * self.bt + 2 * 4 * tg * mrows + 4 * mrows + 4 * 256 + 16)
 
 
-def _shape(tier: Tier, n_heads: int, dl: int, dr: int) -> tuple[Shape, int]:
-    """(specialisation, head groups) for n_heads: up to 64 heads share one pass."""
+def _smem_limit() -> int:
+    return cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+
+
+def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0) -> tuple[Shape, int]:
+    """(specialisation, head groups) for n_heads: up to 64 heads share one pass; two raw
+    tiles in flight where shared memory allows."""
     hg = min(64, -(-n_heads // 16) * 16)
     tid = _TIER_ID[tier.kind]
-    return Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr), -(-n_heads // hg)
+    shape = Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr, 2, skip)
+    if shape.shared_bytes() > _smem_limit():
+        shape = Shape(tid, hg // 16, shape.bt, dl, dr, 1, skip)
+    return shape, -(-n_heads // hg)
+
+
+class _Kernels:
+    """The three compiled functions of one Shape, shared memory limit set once."""
+
+    def __init__(self, shape: Shape):
+        d = shape.defines
+        self.qprep = kernel("attention.cu", "attn_qprep", **d)
+        self.split = kernel("attention.cu", "attn_split", **d)
+        self.combine = kernel("attention.cu", "attn_combine", **d)
+        self.smem = shape.shared_bytes()
+        self.split.max_dynamic_shared_size_bytes = self.smem
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(shape: Shape, device: int) -> _Kernels:
+    return _Kernels(shape)
 
 
 @dataclass(frozen=True)
@@ -96,8 +124,11 @@ def decode_plan(rows, positions, n_sm: int | None = None) -> DecodePlan:
     total = int(n_keys.sum())
     if n_sm is None:
         n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    chunk = max(MIN_CHUNK, -(-max(total, 1) // n_sm))
-    chunk = -(-chunk // 64) * 64  # a multiple of every tile size
+    # One CTA per SM: the smallest multiple of 64 (every tile size divides it) whose work
+    # items fit in one wave, so no second wave runs a handful of stragglers.
+    chunk = -(-max(MIN_CHUNK, -(-max(total, 1) // n_sm)) // 64) * 64
+    while chunk < int(n_keys.max(initial=0)) and int((-(-n_keys // chunk)).sum()) > n_sm:
+        chunk += 64
     counts = -(-n_keys // chunk)
     splits = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     W = int(splits[-1])
@@ -132,31 +163,30 @@ def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, 
     N, H, dl = q_lat.shape
     dr = q_rope.shape[2]
     hpad = groups * 16 * shape.mt
-    d = shape.defines
+    ks = _kernels(shape, cp.cuda.Device().id)
     qh = cp.empty((N, hpad, dl + dr), cp.uint16)
     qscale = cp.empty((N, hpad), cp.float32)
-    kernel("attention.cu", "attn_qprep", **d)(
+    ks.qprep(
         (N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
                             np.float32(scale * LOG2E)))
     W = plan.n_work
     o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
     ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
     if W:
-        split = kernel("attention.cu", "attn_split", **d)
-        smem = shape.shared_bytes()
-        split.max_dynamic_shared_size_bytes = smem
         lut = _tq_lut(cp.cuda.Device().id)
         nb, bs = tables.shape[1], planes.l_scale.shape[1]
-        split((W, groups), (256,), (qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes,
-                                    planes.r_scale, tables, np.int32(nb), np.int32(bs),
-                                    plan.work, lut, o_part, ml_part, np.int32(hpad)),
-              shared_mem=smem)
-    kernel("attention.cu", "attn_combine", **d)(
+        ks.split((W, groups), (256,), (qh, qscale, planes.l_codes, planes.l_scale,
+                                       planes.r_codes, planes.r_scale, tables, np.int32(nb),
+                                       np.int32(bs), plan.work, lut, o_part, ml_part,
+                                       np.int32(hpad)),
+                 shared_mem=ks.smem)
+    ks.combine(
         (N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
 
 
 def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: DecodePlan,
-                     q_lat: cp.ndarray, q_rope: cp.ndarray, scale: float) -> cp.ndarray:
+                     q_lat: cp.ndarray, q_rope: cp.ndarray, scale: float,
+                     _skip: int = 0) -> cp.ndarray:
     """ctx [N, H, kv_lora] float32 for queries q_lat [N, H, kv_lora], q_rope [N, H, rope]
     over the device planes (kernels/cpu/attention.LayerPlanes of cupy arrays) through
     block_tables [S, nb] int32, as laid out by `plan` (decode_plan)."""
@@ -182,7 +212,7 @@ def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: D
     if plan.max_row >= block_tables.shape[0] or plan.max_keys > block_tables.shape[1] * bs:
         raise ValueError(f"plan reaches table row {plan.max_row} / {plan.max_keys} keys; "
                          f"block_tables {block_tables.shape} x block_size {bs} is smaller")
-    shape, groups = _shape(tier, H, dl, dr)
+    shape, groups = _shape(tier, H, dl, dr, _skip)
     out = cp.empty((N, H, dl), cp.float32)
     if N:
         _launch(tier, shape, groups, planes, block_tables, plan, q_lat, q_rope, scale, out)

@@ -1,12 +1,35 @@
 // GPU row encoders of the kv8 (fp8 e4m3fn) and tq4 tiers. They write exactly the bytes of
 // the numpy reference (kernels/cpu/fp8.py, tq4.py, rotation.py; DESIGN.md "KV tiers"):
-// every float32 operation is an explicit round-to-nearest intrinsic in the contract's
-// order, and the module is compiled with --fmad=false so no multiply-add is fused.
+// every float32 operation whose operands or result can be subnormal is inline PTX without
+// .ftz (CuPy appends -ftz=true to every NVRTC compile, which would flush them), in the
+// contract's order; the module is compiled with --fmad=false so nothing is fused.
 //
 // One block per row. Launch: grid = rows, block = THREADS; tq4 needs n floats of dynamic
 // shared memory.
 
 #define THREADS 256
+
+// IEEE float32 (round to nearest even, subnormals kept) whatever the -ftz setting.
+__device__ __forceinline__ float add_ieee(float a, float b) {
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float sub_ieee(float a, float b) {
+    float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float mul_ieee(float a, float b) {
+    float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ float div_ieee(float a, float b) {
+    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+}
+__device__ __forceinline__ double f32_to_f64(float a) {
+    double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(a)); return r;
+}
+__device__ __forceinline__ float f64_to_f32(double a) {
+    float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(a)); return r;
+}
+__device__ __forceinline__ float abs_bits(float a) { return __int_as_float(__float_as_int(a) & 0x7FFFFFFF); }
+__device__ __forceinline__ float neg_bits(float a) { return __int_as_float(__float_as_int(a) ^ 0x80000000); }
 
 __device__ __forceinline__ float block_max(float v, float* red) {
     // fmaxf returns the other operand when one is NaN, so a NaN never raises the max.
@@ -25,7 +48,7 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // The contract's enc(): f is x_i * inv, already rounded to float32.
 __device__ __forceinline__ unsigned int e4m3_enc(float f) {
     unsigned int sign = (__float_as_uint(f) >> 24) & 0x80u;
-    float a = fabsf(f);
+    float a = abs_bits(f);
     if (isnan(a)) return 0u;
     if (a > 448.0f) return sign | 0x7Eu;  // also Inf
     if (a < 0.015625f) return sign | (unsigned int)rintf(a * 512.0f);  // exact scaling
@@ -45,13 +68,13 @@ fp8_encode(const float* __restrict__ x, unsigned char* __restrict__ codes,
     const float* xr = x + (size_t)blockIdx.x * n;
     unsigned char* cr = codes + (size_t)blockIdx.x * n;
     float amax = 0.0f;
-    for (int i = threadIdx.x; i < n; i += THREADS) amax = fmaxf(amax, fabsf(xr[i]));
+    for (int i = threadIdx.x; i < n; i += THREADS) amax = fmaxf(amax, abs_bits(xr[i]));
     amax = block_max(amax, red);
     bool live = (amax > 1e-35f) && !(amax > 3.4e38f);
-    float inv = live ? __fdiv_rn(448.0f, amax) : 0.0f;
+    float inv = live ? div_ieee(448.0f, amax) : 0.0f;
     for (int i = threadIdx.x; i < n; i += THREADS)
-        cr[i] = live ? (unsigned char)e4m3_enc(__fmul_rn(xr[i], inv)) : (unsigned char)0;
-    if (threadIdx.x == 0) scales[blockIdx.x] = live ? __fdiv_rn(amax, 448.0f) : 1.0f;
+        cr[i] = live ? (unsigned char)e4m3_enc(mul_ieee(xr[i], inv)) : (unsigned char)0;
+    if (threadIdx.x == 0) scales[blockIdx.x] = live ? div_ieee(amax, 448.0f) : 1.0f;
 }
 
 // ---- rotation (shared with tq4): y = H(D x) --------------------------------------------
@@ -72,8 +95,8 @@ __device__ __forceinline__ void butterfly(float* buf, int n) {
         for (int p = threadIdx.x; p < n / 2; p += THREADS) {
             int j = (p / len) * 2 * len + (p % len);
             float a = buf[j], b = buf[j + len];
-            buf[j] = __fadd_rn(a, b);
-            buf[j + len] = __fsub_rn(a, b);
+            buf[j] = add_ieee(a, b);
+            buf[j + len] = sub_ieee(a, b);
         }
     }
     __syncthreads();
@@ -90,8 +113,8 @@ __device__ __forceinline__ unsigned int tq_nearest(float v) {
     int lo = 0;
 #pragma unroll
     for (int k = 1; k < 15; ++k) lo += (v >= TQ_LEVELS[k]);
-    float dlo = fabsf(__fsub_rn(v, TQ_LEVELS[lo]));
-    float dhi = fabsf(__fsub_rn(v, TQ_LEVELS[lo + 1]));
+    float dlo = abs_bits(sub_ieee(v, TQ_LEVELS[lo]));
+    float dhi = abs_bits(sub_ieee(v, TQ_LEVELS[lo + 1]));
     return (unsigned int)(lo + (dhi < dlo));
 }
 
@@ -106,7 +129,7 @@ tq4_encode(const float* __restrict__ x, unsigned char* __restrict__ codes,
     const float* xr = x + (size_t)blockIdx.x * n;
     for (int i = threadIdx.x; i < n; i += THREADS) {
         float v = xr[i];
-        buf[i] = neg_sign((unsigned int)i) ? -v : v;
+        buf[i] = neg_sign((unsigned int)i) ? neg_bits(v) : v;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -114,19 +137,19 @@ tq4_encode(const float* __restrict__ x, unsigned char* __restrict__ codes,
         // double rounding (squares of floats are exact in double); |D x| = |x|.
         double ss = 0.0;
         for (int i = 0; i < n; ++i) {
-            double v = (double)buf[i];
+            double v = f32_to_f64(buf[i]);
             ss = __dadd_rn(ss, __dmul_rn(v, v));
         }
-        s_norm = __double2float_rn(__dsqrt_rn(ss));
+        s_norm = f64_to_f32(__dsqrt_rn(ss));
     }
     butterfly(buf, n);  // begins with a barrier, so s_norm is visible after it
     float norm = s_norm;
     bool live = (norm > 1e-35f) && !(norm > 3.4e38f);
-    float invstd = live ? __fdiv_rn(sqrt_n, norm) : 0.0f;
+    float invstd = live ? div_ieee(sqrt_n, norm) : 0.0f;
     unsigned char* cr = codes + (size_t)blockIdx.x * (n / 2);
     for (int i = threadIdx.x; i < n / 2; i += THREADS) {
-        unsigned int c0 = tq_nearest(__fmul_rn(__fmul_rn(buf[2 * i], inv_sqrt_n), invstd));
-        unsigned int c1 = tq_nearest(__fmul_rn(__fmul_rn(buf[2 * i + 1], inv_sqrt_n), invstd));
+        unsigned int c0 = tq_nearest(mul_ieee(mul_ieee(buf[2 * i], inv_sqrt_n), invstd));
+        unsigned int c1 = tq_nearest(mul_ieee(mul_ieee(buf[2 * i + 1], inv_sqrt_n), invstd));
         cr[i] = live ? (unsigned char)(c0 | (c1 << 4)) : (unsigned char)0;
     }
     if (threadIdx.x == 0) radius[blockIdx.x] = live ? norm : 0.0f;
@@ -140,9 +163,9 @@ rotate_rows(const float* __restrict__ x, float* __restrict__ y, int n, float inv
     const float* xr = x + (size_t)blockIdx.x * n;
     for (int i = threadIdx.x; i < n; i += THREADS) {
         float v = xr[i];
-        buf[i] = neg_sign((unsigned int)i) ? -v : v;
+        buf[i] = neg_sign((unsigned int)i) ? neg_bits(v) : v;
     }
     butterfly(buf, n);
     float* yr = y + (size_t)blockIdx.x * n;
-    for (int i = threadIdx.x; i < n; i += THREADS) yr[i] = __fmul_rn(buf[i], inv_sqrt_n);
+    for (int i = threadIdx.x; i < n; i += THREADS) yr[i] = mul_ieee(buf[i], inv_sqrt_n);
 }
