@@ -23,7 +23,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
 
 from kernels.tiers import Tier, get_tier
 from kvstore.fingerprint import Fingerprint, HeaderError, LoadPlan, plan_load
@@ -38,7 +37,7 @@ class FileContents:
     version: int
     tag: int
     fp: Fingerprint
-    raw: np.ndarray | None  # uint8 [n, record_bytes] of the good prefix; None if not decodable
+    records: KVRecords | None  # the good prefix in the file's own tier; None if undecodable
     good_end: int  # byte offset where the good prefix ends
     file_size: int
     note: str | None = None  # e.g. what was cut from a torn tail
@@ -74,7 +73,7 @@ class CacheFile:
         self.plan = plan_load(self.path, c.version, c.tag, c.fp, self.fp, self.tier)
         if self.plan.action == "reject":
             return self._start_clean(self.plan.message)
-        recs = RecordLayout(c.fp, self.plan.file_tier).unpack(c.raw)
+        recs = c.records
         notes = [c.note] if c.note else []
         if self.plan.action == "upgrade":
             recs = requantize(recs, self.plan.file_tier, self.tier, self.fp)
@@ -112,7 +111,7 @@ class CacheFile:
             self._cut(start)
             self._n = start
         if len(recs):
-            self._append(self.layout.pack(recs), self._n)
+            self._append(recs, self._n)
             self._n += len(recs)
         return self._n
 
@@ -131,7 +130,8 @@ class CacheFile:
 
     def rewrite(self, recs: KVRecords) -> None:
         """Replace the whole file, atomically, by exactly `recs` (kv convert, compaction)."""
-        self._replace(self.layout.pack(recs))
+        self.layout.check(recs)
+        self._replace(recs)
         self._mode, self._kept, self._n, self._heal_to = "append", None, len(recs), None
 
     def length(self) -> int:
@@ -159,10 +159,10 @@ class CacheFile:
                 os.fsync(f.fileno())
             self._heal_to = None
 
-    def _replace(self, packed: np.ndarray) -> None:
+    def _replace(self, recs: KVRecords) -> None:
         tmp = f"{self.path}.tmp"  # one writer per file (slots.py), so a stale one is ours
         try:
-            self._write_new(tmp, packed)
+            self._write_new(tmp, recs)
             os.replace(tmp, self.path)
         finally:
             if os.path.exists(tmp):
@@ -173,10 +173,10 @@ class CacheFile:
     def _read(self) -> FileContents:
         raise NotImplementedError
 
-    def _write_new(self, path: str, packed: np.ndarray) -> None:
+    def _write_new(self, path: str, recs: KVRecords) -> None:
         raise NotImplementedError
 
-    def _append(self, packed: np.ndarray, start: int) -> None:
+    def _append(self, recs: KVRecords, start: int) -> None:
         raise NotImplementedError
 
     def _cut(self, n: int) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from kvstore.cachefile import CacheFile, FileContents, write_all
 from kernels.tiers import TierError, tier_from_tag
 from kvstore.fingerprint import Fingerprint, HeaderError
-from kvstore.records import RecordLayout
+from kvstore.records import KVRecords, RecordLayout
 
 MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
 HEADER_BYTES = 40
@@ -66,9 +66,10 @@ class ColiKVFile(CacheFile):
         c = FileContents(version, tag, fp, None, HEADER_BYTES, size)
         self._fix_nrec = None
         try:
-            rec = RecordLayout(fp, tier_from_tag(version, tag)).record_bytes
+            layout = RecordLayout(fp, tier_from_tag(version, tag))
         except TierError:
             return c  # unknown tier: plan_load rejects it before the records are needed
+        rec = layout.record_bytes
         whole = (size - HEADER_BYTES) // rec
         n = min(nrec, whole)
         if n < nrec:
@@ -77,7 +78,7 @@ class ColiKVFile(CacheFile):
         elif HEADER_BYTES + n * rec < size:
             c.note = (f"{self.path}: {size - HEADER_BYTES - n * rec} uncommitted bytes after record "
                       f"{n} (cut at the next write)")
-        c.raw = np.fromfile(self.path, np.uint8, count=n * rec, offset=HEADER_BYTES).reshape(n, rec)
+        c.records = layout.views(np.fromfile(self.path, np.uint8, count=n * rec, offset=HEADER_BYTES))
         c.good_end = HEADER_BYTES + n * rec
         if n < nrec or c.good_end < size:
             self._fix_nrec = n  # the heal also rewrites the commit word
@@ -94,23 +95,23 @@ class ColiKVFile(CacheFile):
         self._fix_nrec = None
         super()._heal()
 
-    def _write_new(self, path: str, packed: np.ndarray) -> None:
+    def _write_new(self, path: str, recs: KVRecords) -> None:
         t = self.tier
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, header_bytes(t.version, self.fp, len(packed), t.tag))
-            write_all(fd, packed.view(np.uint8))
+            write_all(fd, header_bytes(t.version, self.fp, len(recs), t.tag))
+            write_all(fd, self.layout.pack(recs))
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _append(self, packed: np.ndarray, start: int) -> None:
+    def _append(self, recs: KVRecords, start: int) -> None:
         fd = os.open(self.path, os.O_RDWR)
         try:
             os.lseek(fd, HEADER_BYTES + start * self.layout.record_bytes, os.SEEK_SET)
-            write_all(fd, packed.view(np.uint8))
+            write_all(fd, self.layout.pack(recs))
             os.fsync(fd)
-            os.pwrite(fd, struct.pack("<i", start + len(packed)), NREC_OFFSET)  # the commit
+            os.pwrite(fd, struct.pack("<i", start + len(recs)), NREC_OFFSET)  # the commit
             os.fsync(fd)
         finally:
             os.close(fd)

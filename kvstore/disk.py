@@ -43,8 +43,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from kernels.tiers import TierError, tier_from_tag
 from kvstore.cachefile import CacheFile, FileContents, write_all
 from kvstore.fingerprint import FIELDS, Fingerprint, HeaderError
+from kvstore.records import KVRecords, RecordLayout
 
 CONTAINER = "arrow-1"
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -116,32 +118,34 @@ class ArrowKVFile(CacheFile):
         assert data.endswith(_EOS)
         return data[:-len(_EOS)]
 
-    def _batch_message(self, packed: np.ndarray, start: int) -> pa.Buffer:
-        n, rec = len(packed), self.layout.record_bytes
-        tokens = np.ascontiguousarray(packed["token"])
-        payload = np.ascontiguousarray(packed.view(np.uint8).reshape(n, rec)[:, 4:])
-        record = pa.FixedSizeBinaryArray.from_buffers(pa.binary(rec - 4), n, [None, pa.py_buffer(payload)])
+    def _write_batch(self, fd: int, recs: KVRecords, start: int) -> int:
+        """Write one batch message (no schema, no EOS) at fd's position; returns its bytes."""
+        n, width = len(recs), self.layout.record_bytes - 4
+        tokens = np.ascontiguousarray(recs.tokens, np.int32)
+        payload = self.layout.pack(recs, with_token=False)
         # from_buffers, not pa.array: pa.array would import pandas (seconds) to sniff the input
         token = pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(tokens)])
+        record = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(payload)])
         batch = pa.RecordBatch.from_arrays([token, record], schema=self.schema)
         meta = {"kvfleet.start": str(start), "kvfleet.crc32": str(batch_crc(start, tokens, payload))}
-        sink = pa.BufferOutputStream()
-        with ipc.new_stream(sink, self.schema) as w:
+        sink = _BatchSink(fd, self._schema_message)
+        with ipc.new_stream(pa.PythonFile(sink, mode="w"), self.schema) as w:
             w.write_batch(batch, custom_metadata=meta)
-        buf, head = sink.getvalue(), self._schema_message
-        # The stream writer has no "batch only" mode: strip its schema prefix and EOS suffix.
-        assert buf[:len(head)].to_pybytes() == head and buf[-8:].to_pybytes() == _EOS
-        return buf.slice(len(head), buf.size - len(head) - len(_EOS))
+            sink.finish()
+        return sink.written
 
     def _read(self) -> FileContents:
+        size = os.path.getsize(self.path)
+        data = np.empty(size, np.uint8)  # writable: the records are views into it
         with open(self.path, "rb") as f:
-            data = f.read()
-        src = pa.BufferReader(data)
+            got = f.readinto(data)
+        data = data[:got]
+        src = pa.BufferReader(pa.py_buffer(data))
         reader = _open(src, self.path)
         version, tag, fp, rec = parse_schema(reader.schema, self.path)
-        c = FileContents(version, tag, fp, None, src.tell(), len(data))
+        c = FileContents(version, tag, fp, None, src.tell(), got)
         self._bounds = [(0, c.good_end)]  # (records, byte offset) at each commit
-        parts, n, why = [], 0, None
+        toks, pays, n, why = [], [], 0, None
         while True:
             try:
                 batch, meta = reader.read_next_batch_with_custom_metadata()
@@ -150,78 +154,129 @@ class ArrowKVFile(CacheFile):
             except (pa.ArrowException, OSError) as e:
                 why = f"unreadable batch ({str(e).splitlines()[0][:120]})"
                 break
-            raw, why = self._check_batch(batch, meta, n, rec)
-            if raw is None:
+            tok, pay, why = _check_batch(batch, meta, n, rec, data)
+            if tok is None:
                 break
-            parts.append(raw)
-            n += len(raw)
+            toks.append(tok)
+            pays.append(pay)
+            n += len(tok)
             self._bounds.append((n, src.tell()))
         c.good_end = self._bounds[-1][1]
-        c.raw = np.concatenate(parts) if parts else np.zeros((0, rec), np.uint8)
+        try:
+            layout = RecordLayout(fp, tier_from_tag(version, tag))
+        except TierError:
+            return c  # plan_load rejects it before the records are needed
+        if layout.record_bytes == rec:
+            one = len(pays) == 1  # a single batch is used in place, several are joined
+            c.records = layout.views(pays[0] if one else np.concatenate(pays or [data[:0]]),
+                                     tokens=toks[0] if one else np.concatenate(toks or [np.zeros(0, np.int32)]))
         if c.good_end < c.file_size:
             c.note = (f"{self.path}: torn or corrupt tail after record {n} "
                       f"({c.file_size - c.good_end} bytes from byte {c.good_end}"
                       f"{': ' + why if why else ''}); kept {n} records")
         return c
 
-    @staticmethod
-    def _check_batch(batch, meta, n: int, rec: int):
-        """uint8 [rows, rec] of a good batch, or (None, why)."""
-        try:
-            start, crc = int(meta[b"kvfleet.start"]), int(meta[b"kvfleet.crc32"])
-        except (KeyError, TypeError, ValueError):
-            return None, "batch without kvfleet.start/crc32"
-        if start != n:
-            return None, f"batch kvfleet.start={start}, expected {n}"
-        tok, col = batch.column(0), batch.column(1)
-        if tok.null_count or col.null_count or col.type.byte_width != rec - 4:
-            return None, "batch with nulls or wrong record width"
-        rows, (tbuf, pbuf) = batch.num_rows, (tok.buffers()[1], col.buffers()[1])
-        if (tbuf is None or pbuf is None or tbuf.size < (tok.offset + rows) * 4
-                or pbuf.size < (col.offset + rows) * (rec - 4)):
-            return None, "batch buffers shorter than its row count"
-        tokens = np.frombuffer(tbuf, np.int32, rows, tok.offset * 4)
-        payload = np.frombuffer(pbuf, np.uint8, rows * (rec - 4), col.offset * (rec - 4))
-        if batch_crc(start, tokens, payload) != crc:
-            return None, "checksum mismatch"
-        raw = np.empty((rows, rec), np.uint8)
-        raw[:, :4] = tokens.view(np.uint8).reshape(rows, 4)
-        raw[:, 4:] = payload.reshape(rows, rec - 4)
-        return raw, None
-
-    def _write_new(self, path: str, packed: np.ndarray) -> None:
+    def _write_new(self, path: str, recs: KVRecords) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             head = self._schema_message
             write_all(fd, head)
             self._bounds = [(0, len(head))]
-            if len(packed):
-                msg = self._batch_message(packed, 0)
-                write_all(fd, msg)
-                self._bounds.append((len(packed), len(head) + msg.size))
+            if len(recs):
+                size = self._write_batch(fd, recs, 0)
+                self._bounds.append((len(recs), len(head) + size))
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _append(self, packed: np.ndarray, start: int) -> None:
-        msg = self._batch_message(packed, start)
+    def _append(self, recs: KVRecords, start: int) -> None:
         end = self._bounds[-1][1]
         fd = os.open(self.path, os.O_WRONLY)
         try:
             os.lseek(fd, end, os.SEEK_SET)
-            write_all(fd, msg)
+            size = self._write_batch(fd, recs, start)
             os.fsync(fd)  # the commit: a complete batch with a matching crc
         finally:
             os.close(fd)
-        self._bounds.append((start + len(packed), end + msg.size))
+        self._bounds.append((start + len(recs), end + size))
 
     def _cut(self, n: int) -> None:
         keep = max(i for i, (recs, _) in enumerate(self._bounds) if recs <= n)
         recs_at, byte_at = self._bounds[keep]
-        tail = self._read().raw[recs_at:n] if recs_at < n else None  # re-append part of a batch
+        tail = self._read().records.slice(recs_at, n) if recs_at < n else None  # part of a batch
         with open(self.path, "r+b") as f:
             f.truncate(byte_at)
             os.fsync(f.fileno())
         self._bounds = self._bounds[:keep + 1]
         if tail is not None:
-            self._append(np.ascontiguousarray(tail).reshape(-1).view(self.layout.dtype), recs_at)
+            self._append(tail, recs_at)
+
+
+def _check_batch(batch, meta, n: int, rec: int, data: np.ndarray):
+    """(tokens, payload) of a good batch as views into `data` (the file's bytes), or
+    (None, None, why)."""
+    try:
+        start, crc = int(meta[b"kvfleet.start"]), int(meta[b"kvfleet.crc32"])
+    except (KeyError, TypeError, ValueError):
+        return None, None, "batch without kvfleet.start/crc32"
+    if start != n:
+        return None, None, f"batch kvfleet.start={start}, expected {n}"
+    tok, col = batch.column(0), batch.column(1)
+    if tok.null_count or col.null_count or col.type.byte_width != rec - 4:
+        return None, None, "batch with nulls or wrong record width"
+    rows, (tbuf, pbuf) = batch.num_rows, (tok.buffers()[1], col.buffers()[1])
+    if (tbuf is None or pbuf is None or tbuf.size < (tok.offset + rows) * 4
+            or pbuf.size < (col.offset + rows) * (rec - 4)):
+        return None, None, "batch buffers shorter than its row count"
+    tokens = _inside(data, tbuf.address + tok.offset * 4, rows * 4).view(np.int32)
+    payload = _inside(data, pbuf.address + col.offset * (rec - 4), rows * (rec - 4))
+    if batch_crc(start, tokens, payload) != crc:
+        return None, None, "checksum mismatch"
+    return tokens, payload, None
+
+
+def _inside(data: np.ndarray, address: int, nbytes: int) -> np.ndarray:
+    """The writable slice of `data` at a pyarrow buffer address (zero-copy reads point into
+    the buffer the reader was given)."""
+    off = address - data.ctypes.data
+    if not 0 <= off <= data.size - nbytes:
+        raise RuntimeError(f"Arrow buffer at {address:#x} (+{nbytes}) is outside the file data")
+    return data[off:off + nbytes]
+
+
+class _BatchSink:
+    """A file object for pa.PythonFile that forwards a stream writer's output to an fd,
+    minus the schema message it writes first and the end-of-stream marker it writes on
+    close: what is left is exactly one record batch message."""
+
+    def __init__(self, fd: int, schema_message: bytes):
+        self.fd, self.head, self.seen, self.written, self.done = fd, schema_message, 0, 0, False
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        skip = max(0, min(n, len(self.head) - self.seen))
+        if skip and view[:skip] != self.head[self.seen:self.seen + skip]:
+            raise RuntimeError("Arrow stream writer emitted an unexpected schema message")
+        self.seen += n
+        rest = view[skip:]
+        if self.done:  # after the batch: only the end-of-stream marker may follow
+            if bytes(rest) not in (b"", _EOS, _EOS[:4], _EOS[4:]):
+                raise RuntimeError("Arrow stream writer emitted bytes after the batch")
+        elif len(rest):
+            write_all(self.fd, rest)
+            self.written += len(rest)
+        return n
+
+    def finish(self) -> None:
+        self.done = True
+
+    def tell(self) -> int:
+        return self.seen
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True

@@ -27,8 +27,6 @@ minus the token (see kvstore/disk.py), so conversion between the two is a byte c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-
 import numpy as np
 
 from kernels.tiers import Tier, get_tier
@@ -73,23 +71,6 @@ class RecordLayout:
         self.fp, self.tier = fp, get_tier(tier)
         self.wl, self.wr = self.tier.code_width(fp.kv_lora), self.tier.code_width(fp.rope)
 
-    @cached_property
-    def dtype(self) -> np.dtype:
-        code = np.dtype("<f4") if self.tier.kind == "f32" else np.dtype("u1")
-        fields = [("token", "<i4")]
-        for i in range(self.fp.n_layers):
-            fields.append((f"l{i}", code, (self.wl,)))
-            if self.tier.quantized:
-                fields.append((f"ls{i}", "<f4"))
-            fields.append((f"r{i}", code, (self.wr,)))
-            if self.tier.quantized:
-                fields.append((f"rs{i}", "<f4"))
-        if self.fp.index_hd:
-            fields.append(("index", "<f4", (self.fp.n_indexer_layers, self.fp.index_hd)))
-        dt = np.dtype(fields)
-        assert dt.itemsize == self.record_bytes, (dt.itemsize, self.record_bytes)
-        return dt
-
     @property
     def record_bytes(self) -> int:
         """Bytes of one record, token included."""
@@ -125,36 +106,56 @@ class RecordLayout:
                 raise ValueError(f"KVRecords.{name}: got {got}, want {(shape, np.dtype(dtype))} "
                                  f"for tier {self.tier.name}")
 
-    def pack(self, recs: KVRecords) -> np.ndarray:
-        """KVRecords -> structured array [T] of self.dtype (view as bytes for the file)."""
-        self.check(recs)
-        out = np.empty(len(recs), self.dtype)
-        out["token"] = recs.tokens
-        for i in range(self.fp.n_layers):  # one vectorized copy per field, not per row
-            out[f"l{i}"] = recs.l_codes[i]
-            out[f"r{i}"] = recs.r_codes[i]
-            if self.tier.quantized:
-                out[f"ls{i}"] = recs.l_scale[i]
-                out[f"rs{i}"] = recs.r_scale[i]
-        if self.fp.index_hd:
-            out["index"] = recs.index_rows.transpose(1, 0, 2)
-        return out
+    def views(self, buf: np.ndarray, tokens: np.ndarray | None = None) -> KVRecords:
+        """KVRecords whose arrays are strided views into `buf` (no copy; writable if buf is).
 
-    def unpack(self, raw: np.ndarray) -> KVRecords:
-        """Structured array (or uint8 [T, record_bytes]) -> KVRecords (fresh arrays)."""
-        if raw.dtype != self.dtype:
-            raw = np.ascontiguousarray(raw, np.uint8).reshape(-1).view(self.dtype)
-        recs = self.allocate(len(raw))
-        recs.tokens[:] = raw["token"]
-        for i in range(self.fp.n_layers):
-            recs.l_codes[i] = raw[f"l{i}"]
-            recs.r_codes[i] = raw[f"r{i}"]
-            if self.tier.quantized:
-                recs.l_scale[i] = raw[f"ls{i}"]
-                recs.r_scale[i] = raw[f"rs{i}"]
+        buf is uint8 holding T whole records back to back; with `tokens` given, the records
+        are stored without their int32 token (the Arrow payload) and `tokens` is used."""
+        buf = buf.reshape(-1)
+        rb = self.record_bytes - (4 if tokens is not None else 0)
+        if buf.size % rb:
+            raise ValueError(f"{buf.size} bytes is not a whole number of {rb}-byte records")
+        t = buf.size // rb
+        if t == 0:
+            return self.empty()
+        t32 = self.tier.kind == "f32"
+        code, cs = (np.dtype("<f4"), 4) if t32 else (np.dtype("u1"), 1)
+        lb = self.tier.token_bytes(self.fp.kv_lora, self.fp.rope)  # one layer's bytes
+        rl, rr, sc = self.tier.row_bytes(self.fp.kv_lora), self.tier.row_bytes(self.fp.rope), 0 if t32 else 4
+        base = 0 if tokens is not None else 4
+        nl = self.fp.n_layers
+
+        def view(shape, dtype, off, strides):
+            return np.ndarray(shape, dtype, buffer=buf, offset=off, strides=strides)
+
+        ones = None if not t32 else np.ones((nl, t), np.float32)
+        return KVRecords(
+            view((t,), "<i4", 0, (rb,)) if tokens is None else tokens,
+            view((nl, t, self.wl), code, base, (lb, rb, cs)),
+            ones if t32 else view((nl, t), "<f4", base + rl, (lb, rb)),
+            view((nl, t, self.wr), code, base + rl + sc, (lb, rb, cs)),
+            ones.copy() if t32 else view((nl, t), "<f4", base + rl + sc + rr, (lb, rb)),
+            view((self.fp.n_indexer_layers, t, self.fp.index_hd), "<f4", base + nl * lb,
+                 (4 * self.fp.index_hd, rb, 4)) if self.fp.index_hd else None)
+
+    def pack(self, recs: KVRecords, with_token: bool = True) -> np.ndarray:
+        """KVRecords -> uint8 [T, record_bytes] (or [T, record_bytes - 4] without tokens)."""
+        self.check(recs)
+        t = len(recs)
+        out = np.empty((t, self.record_bytes - (0 if with_token else 4)), np.uint8)
+        if t == 0:
+            return out
+        v = self.views(out, tokens=None if with_token else recs.tokens)
+        if with_token:
+            v.tokens[:] = recs.tokens
+        v.l_codes[:] = recs.l_codes  # one strided copy per plane, not per row
+        v.r_codes[:] = recs.r_codes
+        if self.tier.quantized:
+            v.l_scale[:] = recs.l_scale
+            v.r_scale[:] = recs.r_scale
         if self.fp.index_hd:
-            recs.index_rows[:] = raw["index"].transpose(1, 0, 2)
-        return recs
+            v.index_rows[:] = recs.index_rows
+        return out
 
 
 def sanitize(tier: Tier | str, recs: KVRecords) -> int:

@@ -33,7 +33,7 @@ def ctx():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,tier,kills,max_chunk", [
-    ("arrow", "f32", 20, 64), ("arrow", "kv8", 15, 256), ("coli", "kv8", 25, 128),
+    ("arrow", "f32", 20, 256), ("arrow", "kv8", 15, 256), ("coli", "kv8", 25, 128),
 ])
 def test_sigkill_while_appending(tmp_path, ctx, fmt, tier, kills, max_chunk):
     path = str(tmp_path / f"c.{fmt}")
