@@ -8,7 +8,9 @@ enc(f) is computed on the float32 bit pattern (vectorized, no frexp): the RNE ro
 normal value to 3 mantissa bits is `(m + 0x7FFFF + lsb) >> 20` on the magnitude bits m, and
 the float32 -> e4m3 exponent rebias is a subtraction of 120 << 3 from the combined
 exponent|mantissa field, so a mantissa carry moves into the exponent exactly as the
-contract's "k = 16 -> k = 8 and E+1" says. `enc_reference` is the contract written out
+contract's "k = 16 -> k = 8 and E+1" says. The thresholds are float32 constants (1e-35f,
+3.4e38f, per "all arithmetic is float32"): a row whose amax is exactly 1e-35f is inert (a
+double comparison would keep it; no other float32 value is read differently). `enc_reference` is the contract written out
 literally (frexp / rint); the tests hold the two equal.
 """
 from __future__ import annotations

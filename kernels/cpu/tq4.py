@@ -3,7 +3,8 @@
 Per row of width n (a power of two, 2..2048; any other width is inert):
     norm   = float32(sqrt(sum x_i^2)), the sum accumulated in float64 left to right
              (the C engine's loop order; numpy's pairwise sum could round differently)
-    inert  when not (norm > 1e-35) or norm > 3.4e38: all codes 0, radius 0
+    inert  when not (norm > 1e-35f) or norm > 3.4e38f (float32 constants, as for fp8): all
+           codes 0, radius 0
     y      = rotate(x)
     invstd = float32(sqrtf(n) / norm)       -- our reading: sqrtf(n) in float32, then a
                                                float32 divide (one rounding each)

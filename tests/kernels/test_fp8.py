@@ -100,16 +100,17 @@ def test_row_amax_rule_and_inert_rows():
                   [1e-36, -1e-38, 0, 1e-40],      # tiny amax: inert
                   [np.nan] * 4,                   # all NaN: inert
                   [3.0e38, 3.4028e38, 1.0, 0.0],  # amax > 3.4e38: inert
-                  [1e-34, -2e-34, 0.0, 5e-35]],   # tiny but live
+                  [1e-34, -2e-34, 0.0, 5e-35],    # tiny but live
+                 [1e-35, 0.0, -1e-35, 0.0]],     # amax == 1e-35f: not > 1e-35f, inert
                  dtype=np.float32)
     codes, scales = fp8.encode(x)
     assert codes[0, 0] == 0 and scales[0] == np.float32(4.0) / np.float32(448.0)
     assert codes[0, 2] == 0xFE and fp8.DECODE_TABLE[codes[0, 1]] == 224.0
-    for r in range(1, 6):
+    for r in [1, 2, 3, 4, 5, 7]:
         assert np.all(codes[r] == 0) and scales[r] == 1.0, r
     assert scales[6] == np.float32(2e-34) / np.float32(448.0) and codes[6, 1] == 0xFE
     dec = fp8.decode(codes, scales)
-    assert np.all(dec[1:6] == 0)
+    assert np.all(dec[1:6] == 0) and np.all(dec[7] == 0)
     np.testing.assert_allclose(dec[6], x[6], rtol=0.07)
 
 

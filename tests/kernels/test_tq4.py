@@ -109,11 +109,12 @@ def test_inert_rows_and_widths():
     x[2, 9] = np.inf
     x[3] = np.float32(1e-40)                      # subnormal: norm 8e-40 < 1e-35
     x[4] = 0; x[4, 0] = np.float32(3.4028e38)     # norm > 3.4e38
+    x[5] = 0; x[5, 7] = np.float32(1e-35)         # norm == 1e-35f exactly: not > 1e-35f
     codes, radius = tq4.encode(x)
-    assert np.all(codes[:5] == 0) and np.all(radius[:5] == 0)
-    assert np.all(radius[5:] > 0)
+    assert np.all(codes[:6] == 0) and np.all(radius[:6] == 0)
+    assert np.all(radius[6:] > 0)
     y = tq4.decode(codes, radius, 64)
-    assert np.all(y[:5] == 0) and np.all(np.isfinite(y))
+    assert np.all(y[:6] == 0) and np.all(np.isfinite(y))
     for n in (6, 10, 4096):  # not a power of two in 2..2048
         c, s = encode_rows("tq4", gaussian(3, n))
         assert c.shape == (3, n // 2) and np.all(c == 0) and np.all(s == 0)
