@@ -92,6 +92,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._next_key = 0
         self._release: list[list[int]] = [[] for _ in group.names]
+        self._dead: set[int] = set()
 
     def run(self, items: Iterable[Prepared], on_result: Callable[[Result], None],
             should_stop: Callable[[], bool] = lambda: False) -> SchedulerStats:
@@ -109,15 +110,11 @@ class Scheduler:
                 break
             batches, sampled, n_prompt = self._build(active)
             t0 = self.clock()
-            try:
-                outs = self.group.step_all(batches)
-            except Exception as e:  # a failed step fails its sequences, not the job
-                log.error("step failed for %d sequences: %s", len(active), e)
-                for s in active:
-                    on_result(self._result(s, "error", f"worker step failed: {e}"))
-                active.clear()
-                self._release = [[] for _ in self.group.names]
-                continue
+            outs = self.group.step_all(batches)
+            failed = {w: e for w, e in outs.items() if isinstance(e, BaseException)}
+            if failed:
+                self._recover(failed, waiting, active, on_result)
+                outs = {w: o for w, o in outs.items() if w not in failed}
             t1 = self.clock()
             n_tok = self._apply(outs, sampled, active, on_result)
             wall = self.clock() - t_iter
@@ -125,12 +122,44 @@ class Scheduler:
         self._flush_releases()
         return self.stats
 
+    # -- failures -----------------------------------------------------------------------
+    def _recover(self, failed: dict[int, BaseException], waiting: deque, active: list[_Seq],
+                 on_result) -> None:
+        """A dead worker's sequences go back to the front of the queue and are re-run from
+        their prompts elsewhere (sampling is stateless per (seed, token index), so the
+        re-run gives the same tokens). A live worker whose step raised fails only the
+        sequences of that step, and their slots are released."""
+        for w, exc in failed.items():
+            mine = [s for s in active if s.worker == w]
+            for s in mine:
+                active.remove(s)
+            if self.group.is_dead(w, exc):
+                self._dead.add(w)
+                self._release[w] = []
+                log.warning("worker %s died (%s); re-queueing its %d sequences",
+                            self.group.names[w], exc, len(mine))
+                for s in reversed(mine):
+                    waiting.appendleft(s.item)
+            else:
+                log.error("worker %s: step failed for %d sequences: %r", self.group.names[w],
+                          len(mine), exc)
+                for s in mine:
+                    on_result(self._result(s, "error", f"worker step failed: {exc!r}"))
+                    self._release[w].append(s.key)
+        if len(self._dead) == len(self.group.names):
+            log.error("every worker is dead; %d requests fail", len(waiting))
+            while waiting:
+                item = waiting.popleft()
+                on_result(self._result(_Seq(-1, item, 0, self.clock()), "error",
+                                       "no live worker left"))
+
     # -- admission ----------------------------------------------------------------------
     def _admit(self, waiting: deque, active: list[_Seq]) -> None:
         used = np.zeros(len(self.group.capacities), np.int64)
         for s in active:
             used[s.worker] += 1
         free = np.asarray(self.group.capacities) - used
+        free[list(self._dead)] = 0
         while waiting and free.max() > 0:
             w = int(np.argmax(free))  # most free slots; ties -> lowest index
             active.append(_Seq(self._next_key, waiting.popleft(), w, self.clock()))
@@ -236,7 +265,7 @@ class Scheduler:
         return Result(id=r.id, line=r.line, prompt=r.prompt, completion=text,
                       completion_tokens=list(s.out), prompt_token_count=len(s.item.prompt_ids),
                       completion_token_count=len(s.out), finish_reason=reason, error=error,
-                      tier=self.tier, worker=self.group.names[s.worker],
+                      tier=self.tier, worker=self.group.names[s.worker] if s.key >= 0 else "",
                       ttft_s=None if s.t_first is None else s.t_first - s.t_admit,
                       decode_tokens_per_s=rate)
 
@@ -266,9 +295,11 @@ class Scheduler:
                                 sample_at=empty, temperature=np.zeros(0, np.float32),
                                 top_p=np.zeros(0, np.float32), seed=np.zeros(0, np.uint64),
                                 counter=np.zeros(0, np.uint64), release=tuple(keys))
-                   for w, keys in enumerate(self._release) if keys}
+                   for w, keys in enumerate(self._release) if keys and w not in self._dead}
         if batches:
-            self.group.step_all(batches)
+            for w, o in self.group.step_all(batches).items():
+                if isinstance(o, BaseException):
+                    log.warning("worker %s: releasing slots failed: %r", self.group.names[w], o)
         self._release = [[] for _ in self.group.names]
 
 

@@ -67,6 +67,7 @@ class Worker:
                                     block_size=spec.block_size)
         self.model, self.pool = model, pool
         self._slot: dict[int, int] = {}  # sequence key -> pool slot
+        self._rebuilds = _polar_rebuilds()
 
     def info(self) -> dict:
         return {"name": self.spec.name, "slots": self.spec.slots, "tier": self.spec.tier,
@@ -74,8 +75,10 @@ class Worker:
 
     def step(self, batch: StepBatch) -> StepOutput:
         t0 = time.perf_counter()
-        for key in batch.release:
-            self.pool.free_slot(self._slot.pop(int(key)))
+        for key in batch.release:  # a key whose first step failed before it got a slot
+            slot = self._slot.pop(int(key), None)  # has nothing to free
+            if slot is not None:
+                self.pool.free_slot(slot)
         uniq, inv = np.unique(batch.keys, return_inverse=True)
         for key in uniq.tolist():
             if key not in self._slot:
@@ -93,22 +96,36 @@ class Worker:
                                       batch.seed, batch.counter)
         return StepOutput(next_tokens=next_tokens, forward_s=forward_s,
                           step_s=time.perf_counter() - t0, kv_bytes=int(self.pool.bytes_in_use()),
-                          fallbacks=_drain_fallbacks(self.model))
+                          fallbacks=self._drain_fallbacks())
+
+    def _drain_fallbacks(self) -> dict[str, int]:
+        """Counts since the last step of native paths that fell back to a slower one: what
+        the model reports (`model.drain_fallbacks()`, e.g. MLX ops on the CPU stream) and
+        the polar rows the numpy consumers had to rebuild to float32."""
+        drain = getattr(self.model, "drain_fallbacks", None)
+        out = dict(drain()) if callable(drain) else {}
+        now = _polar_rebuilds()
+        if now > self._rebuilds:
+            out["cpu.polar_rebuild_rows"] = now - self._rebuilds
+        self._rebuilds = now
+        return out
 
 
-def _drain_fallbacks(model: Any) -> dict[str, int]:
-    """Fallback counts (a native path that fell back to a slower one) since the last step,
-    where the model keeps them (`model.drain_fallbacks()`); none otherwise."""
-    drain = getattr(model, "drain_fallbacks", None)
-    return dict(drain()) if callable(drain) else {}
+def _polar_rebuilds() -> int:
+    from kernels.cpu.consumers import rebuild_count
+    return rebuild_count()
 
 
 class WorkerGroup(Protocol):
-    """What the scheduler drives: named workers with slot capacities, stepped in lockstep."""
+    """What the scheduler drives: named workers with slot capacities, stepped in lockstep.
+    `step_all` returns, per worker, its StepOutput or the exception its step raised;
+    `is_dead` says whether that exception means the worker is gone for good."""
     names: list[str]
     capacities: list[int]
 
-    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput]: ...
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]: ...
+
+    def is_dead(self, worker: int, exc: BaseException) -> bool: ...
 
 
 class LocalGroup:
@@ -119,8 +136,17 @@ class LocalGroup:
         self.names = [w.spec.name for w in workers]
         self.capacities = [w.spec.slots for w in workers]
 
-    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput]:
-        return {i: self.workers[i].step(b) for i, b in batches.items()}
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
+        out: dict[int, StepOutput | Exception] = {}
+        for i, b in batches.items():
+            try:
+                out[i] = self.workers[i].step(b)
+            except Exception as e:  # handed to the scheduler, which fails that step's sequences
+                out[i] = e
+        return out
+
+    def is_dead(self, worker: int, exc: BaseException) -> bool:
+        return False  # an in-process worker cannot die apart from the job
 
 
 class RayGroup:
@@ -142,10 +168,20 @@ class RayGroup:
                                f"does a node offer what they ask for? "
                                f"{[opts for _, opts in placements]}") from None
 
-    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput]:
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
-        return dict(zip(refs, ray.get(list(refs.values()))))
+        out: dict[int, StepOutput | Exception] = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref)
+            except ray.exceptions.RayError as e:  # handed to the scheduler per worker
+                out[i] = e
+        return out
+
+    def is_dead(self, worker: int, exc: BaseException) -> bool:
+        import ray
+        return isinstance(exc, ray.exceptions.RayActorError)
 
     def close(self) -> None:
         import ray

@@ -193,3 +193,58 @@ def test_real_model_prompt_alone_or_among_others(tiny_model):
     for order in (others + [target], [target] + others[::-1]):
         got = run_real(tiny_model, "f32", 8, order, prefill_chunk=int(rng.integers(4, 40)))
         assert got["r0"] == alone
+
+
+class FailingGroup(LocalGroup):
+    """Worker `victim` fails its step number `at`: dies (Ray actor death) or just raises."""
+
+    def __init__(self, workers, victim: int, at: int, dies: bool):
+        super().__init__(workers)
+        self.victim, self.at, self.dies, self.steps = victim, at, dies, 0
+
+    def step_all(self, batches):
+        self.steps += 1
+        out = super().step_all(batches)  # the victim did the step's work, then failed
+        if self.steps == self.at and self.victim in batches:
+            out[self.victim] = RuntimeError("boom")
+        return out
+
+    def is_dead(self, worker, exc):
+        return self.dies
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_dead_worker_requests_rerun_elsewhere_with_same_tokens(temperature):
+    items = [prep(i, p, temperature=temperature, seed=i) for i, p in enumerate(prompts())]
+    ref, _ = run(make_group([8]), items)
+    base = make_group([3, 3])
+    group = FailingGroup(base.workers, victim=1, at=6, dies=True)
+    results = []
+    Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+              tier="f32").run(items, results.append)
+    got = {r.id: r for r in results}
+    assert len(results) == 16 and set(got) == set(ref)
+    for k in ref:
+        assert got[k].completion_tokens == ref[k].completion_tokens, k
+        assert got[k].finish_reason != "error"
+    late = [r for r in results[6:]]
+    assert late and all(r.worker == "w0" for r in late)  # nothing admitted to the dead one
+
+
+def test_failed_step_fails_only_that_workers_sequences():
+    items = [prep(i, p) for i, p in enumerate(prompts())]
+    ref, _ = run(make_group([8]), items)
+    base = make_group([3, 3])
+    group = FailingGroup(base.workers, victim=1, at=4, dies=False)
+    results = []
+    Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+              tier="f32").run(items, results.append)
+    errs = [r for r in results if r.finish_reason == "error"]
+    assert 1 <= len(errs) <= 3 and all("boom" in r.error and r.worker == "w1" for r in errs)
+    assert len(results) == 16
+    for r in results:
+        if r.finish_reason != "error":
+            assert r.completion_tokens == ref[r.id].completion_tokens
+    for w in base.workers:  # the failed sequences' slots were released too
+        assert not w.pool.used.any()
+    assert group.steps > 4
