@@ -1,7 +1,9 @@
 """Prefix reuse: resume a slot from the saved records its new prompt starts with.
 
     recs = reuse_prefix(cache_file, prompt_tokens)   # records for prompt[:len(recs)]
-    # prefill only prompt[len(recs):], then cache_file.append(new_records)
+    to_pool(pool, slot, recs)                        # codes copied as stored, no re-encode
+    # prefill only prompt[len(recs):], then
+    cache_file.append(from_pool(pool, slot, prompt_tokens, start=len(recs)))
 
 The saved records whose tokens equal the prompt's first tokens are reused; the file is cut
 back to that many records when it holds more (the prompt diverged or is shorter), so the
@@ -35,3 +37,33 @@ def reuse_prefix(f: CacheFile, prompt: np.ndarray, keep_last: int = 1) -> KVReco
     if k < f.length():
         f.truncate(k)
     return recs.slice(0, k)
+
+
+def to_pool(pool, slot: int, recs: KVRecords, start: int = 0) -> None:
+    """Write records into a kvstore.pool.KVPool slot at positions [start, start + len(recs))."""
+    if len(recs) == 0:
+        return
+    want = (np.dtype(pool.tier.code_dtype()), pool.tier.code_width(pool.kv_lora),
+            pool.tier.code_width(pool.rope))
+    got = (recs.l_codes.dtype, recs.l_codes.shape[-1], recs.r_codes.shape[-1])
+    if got != want or recs.l_codes.shape[0] != pool.n_layers:
+        raise ValueError(f"records ({recs.l_codes.shape[0]} layers, codes {got}) do not fit a "
+                         f"{pool.tier.name} pool ({pool.n_layers} layers, codes {want})")
+    pos = np.arange(start, start + len(recs))
+    slots = np.full(len(recs), slot)
+    for layer in range(pool.n_layers):
+        pool.write_coded(layer, slots, pos, recs.l_codes[layer], recs.l_scale[layer],
+                         recs.r_codes[layer], recs.r_scale[layer])
+
+
+def from_pool(pool, slot: int, tokens: np.ndarray, start: int = 0, end: int | None = None,
+              index_rows: np.ndarray | None = None) -> KVRecords:
+    """Records [start, end) of a pool slot; `tokens` is the slot's whole token sequence
+    (the pool does not keep tokens), index_rows the DSA rows of [start, end) if any."""
+    end = pool.length(slot) if end is None else end
+    rows = [pool.read_rows(slot, layer, start, end) for layer in range(pool.n_layers)]
+    lc, ls, rc, rs = (np.stack([r[i] for r in rows]) for i in range(4))
+    toks = np.asarray(tokens, np.int32)[start:end]
+    if len(toks) != end - start:
+        raise ValueError(f"tokens cover {len(tokens)} positions, need [{start}, {end})")
+    return KVRecords(np.ascontiguousarray(toks), lc, ls, rc, rs, index_rows)

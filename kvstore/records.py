@@ -169,17 +169,36 @@ def sanitize(tier: Tier | str, recs: KVRecords) -> int:
     if tier.kind == "fp8":
         for codes, scale in ((recs.l_codes, recs.l_scale), (recs.r_codes, recs.r_scale)):
             bad = ~((scale > 0) & (scale < F32_MAX))
-            codes[bad] = 0
-            scale[bad] = 1.0
-            nan_code = (codes & 0x7F) == 0x7F
-            codes[nan_code] = 0
-            touched += int(bad.sum()) + int(nan_code.any(axis=-1)[~bad].sum())
+            if bad.any():
+                codes[bad] = 0
+                scale[bad] = 1.0
+            # Rows holding a NaN code are rare: find them in one pass, fix only those rows
+            # (a masked store over the whole strided plane is ~10x slower).
+            hit = np.nonzero(_has_nan_code(codes))
+            if hit[0].size:
+                rows = codes[hit]
+                rows[(rows & 0x7F) == 0x7F] = 0
+                codes[hit] = rows
+            touched += int(bad.sum()) + int(hit[0].size)
     elif tier.kind in ("tq", "polar"):
         for scale in (recs.l_scale, recs.r_scale):
             bad = ~((scale >= 0) & (scale < F32_MAX))
             scale[bad] = 0.0
             touched += int(bad.sum())
     return touched
+
+
+def _has_nan_code(codes: np.ndarray) -> np.ndarray:
+    """[..., w] uint8 -> [...] bool: the row holds an e4m3fn NaN code (0x7F or 0xFF)."""
+    if codes.shape[-1] % 4 or codes.strides[-1] != 1 or codes.size == 0:
+        return np.equal(np.bitwise_and(codes, 0x7F), 0x7F).any(axis=-1)
+    # SWAR over 4 bytes at a time (records keep 4-byte alignment; 8 would not be aligned):
+    # x = b & 0x7F is <= 0x7F, so x + 1 sets bit 7 of its own byte, never carrying into the
+    # next, exactly when x == 0x7F.
+    x = np.bitwise_and(codes.view("<u4"), np.uint32(0x7F7F7F7F))
+    x += np.uint32(0x01010101)
+    x &= np.uint32(0x80808080)
+    return x.any(axis=-1)
 
 
 def requantize(recs: KVRecords, src: Tier | str, dst: Tier | str, fp: Fingerprint) -> KVRecords:

@@ -177,3 +177,16 @@ def test_sanitize_kv8_and_radius(tmp_path):
     got = ColiKVFile(p, FP, "tq4").load()
     np.testing.assert_array_equal(got.r_scale[0, :4], [0, 0, 0, 0])
     np.testing.assert_array_equal(got.r_codes, t.r_codes)  # codes kept; radius 0 decodes to 0
+
+
+@pytest.mark.parametrize("width,offset", [(64, 0), (64, 1), (512, 4), (36, 4), (10, 3)])
+def test_nan_code_scan_matches_plain_check(width, offset):
+    from kvstore.records import _has_nan_code
+    rng = np.random.default_rng(width + offset)
+    rec = width + 12
+    buf = rng.integers(0, 0x7F, 400 * rec + offset + 8, dtype=np.uint8)
+    buf[rng.integers(0, buf.size, 60)] = rng.choice([0x7F, 0xFF], 60)
+    v = np.ndarray((2, 200, width), np.uint8, buffer=buf, offset=offset, strides=(200 * rec, rec, 1))
+    want = np.equal(v & 0x7F, 0x7F).any(axis=-1)
+    assert 0 < want.sum() < want.size
+    np.testing.assert_array_equal(_has_nan_code(v), want)

@@ -218,3 +218,32 @@ def test_reuse_prefix_truncates_when_prefix_shrinks(tmp_path):
     f2 = ArrowKVFile(p, FP, "kv8")
     assert len(reuse_prefix(f2, full.tokens[:6])) == 5
     assert len(reuse_prefix(ArrowKVFile(p, FP, "kv8"), full.tokens[:5], keep_last=0)) == 5
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+def test_pool_round_trip_through_disk(tmp_path, tier):
+    from diskdata import hostile_rows
+    from kvstore.pool import KVPool
+    from kvstore.prefix import from_pool, to_pool
+    rng = np.random.default_rng(11)
+    pool = KVPool(3, 512, 64, tier, n_blocks=12, block_size=16, max_slots=3)
+    a, b = pool.alloc_slot(), pool.alloc_slot()
+    n = 37
+    pos = np.arange(n)
+    for layer in range(3):
+        pool.write(layer, np.full(n, a), pos, hostile_rows(rng, (n, 512)), hostile_rows(rng, (n, 64)))
+    tokens = rng.integers(0, 1000, n).astype(np.int32)
+    f = ArrowKVFile(tmp_path / "s.arrow", FP, tier)
+    f.load()
+    f.append(from_pool(pool, a, tokens, 0, 20))
+    f.append(from_pool(pool, a, tokens, start=20))
+    prompt = np.concatenate([tokens[:30], [1, 2, 3]]).astype(np.int32)
+    recs = reuse_prefix(ArrowKVFile(tmp_path / "s.arrow", FP, tier), prompt)
+    assert len(recs) == 30 and np.array_equal(recs.tokens, tokens[:30])
+    to_pool(pool, b, recs)
+    assert pool.length(b) == 30
+    for layer in range(3):
+        for x, y in zip(pool.read_rows(a, layer, 0, 30), pool.read_rows(b, layer)):
+            assert x.tobytes() == y.tobytes()
+    with pytest.raises(ValueError, match="do not fit"):
+        to_pool(KVPool(3, 512, 64, "polar3", n_blocks=4), 0, recs)
