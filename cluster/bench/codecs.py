@@ -55,7 +55,9 @@ def rel_l2(tier: Tier, x: np.ndarray) -> float:
     codes, scales = encode_rows(tier, x)
     y = decode_rows(tier, codes, scales, x.shape[-1]).astype(np.float64)
     x64 = x.astype(np.float64)
-    return float(np.mean(np.linalg.norm(y - x64, axis=-1) / np.linalg.norm(x64, axis=-1)))
+    norm = np.linalg.norm(x64, axis=-1)
+    keep = norm > 0  # an all-zero row has no relative error
+    return float(np.mean(np.linalg.norm(y - x64, axis=-1)[keep] / norm[keep]))
 
 
 def _softmax(s: np.ndarray) -> np.ndarray:
