@@ -9,12 +9,15 @@ a local Ray; --inprocess runs without Ray. Rerunning with the same --out resumes
 """
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 from cluster.cli import UsageError
 from cluster.config import REPO_ROOT, load_job_config
 from kernels.tiers import TIERS
 
+log = logging.getLogger(__name__)
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "generate.yaml"
 
 
@@ -58,6 +61,10 @@ def run(args) -> int:
         raise UsageError(f"--prompts {args.prompts}: no such file")
     if args.limit is not None and args.limit < 0:
         raise UsageError(f"--limit {args.limit} must be >= 0")
-    summary = run_generate(cfg, args.prompts, args.out, limit=args.limit)
+    if not args.out.is_absolute() and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        log.warning("--out %s is relative: under `ray job submit` it lands in the job's copy "
+                    "of the working dir (%s) on the head node; give an absolute path on "
+                    "shared storage to keep it", args.out, Path.cwd())
+    summary = run_generate(cfg, args.prompts, args.out.resolve(), limit=args.limit)
     print(summary.line())
     return 0

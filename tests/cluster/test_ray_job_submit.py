@@ -40,7 +40,7 @@ def free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """(dashboard address, env) of a fresh head; terminated at the end."""
+    """(dashboard address, GCS address, env) of a fresh head; terminated at the end."""
     venv_bin = str(Path(sys.executable).parent)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=venv_bin + os.pathsep + os.environ["PATH"])
     env.pop("RAY_ADDRESS", None)
@@ -69,7 +69,7 @@ def ray_head():
                 pass
             assert time.monotonic() < deadline, "Ray head did not come up in 180 s"
             time.sleep(1)
-        yield address, env
+        yield address, f"127.0.0.1:{gcs}", env
     finally:
         proc.send_signal(signal.SIGTERM)  # --block stops the processes it started
         try:
@@ -82,7 +82,7 @@ def ray_head():
 
 
 def test_ray_job_submit_generates_the_same_as_in_process(ray_head, tmp_path):
-    address, env = ray_head
+    address, _, env = ray_head
     tiny = make_tiny(tmp_path / "tiny")
     prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N, seed=7))
     out = tmp_path / "out.parquet"
@@ -110,3 +110,51 @@ def test_ray_job_submit_generates_the_same_as_in_process(ray_head, tmp_path):
     for k, r in local.items():
         assert job_rows[k]["completion_tokens"] == r["completion_tokens"], k
         assert job_rows[k]["completion"] == r["completion"], k
+
+
+def test_killed_worker_actor_requests_rerun_on_the_other(ray_head, tmp_path):
+    """Two worker actors on the head; one is killed after a few results. Its sequences are
+    re-run on the other and every completion equals the in-process run."""
+    import ray
+
+    from cluster.scheduler import Scheduler
+    from workers.actor import LocalGroup, RayGroup, Worker, WorkerSpec
+    from workers.tokenizer import Tokenizer
+    from test_scheduler import prep
+
+    _, gcs, _ = ray_head
+    tiny = make_tiny(tmp_path / "tiny")
+    tok = Tokenizer.from_dir(tiny)
+    rng = __import__("numpy").random.default_rng(2)
+    items = [prep(i, rng.integers(5, 500, size=int(rng.integers(2, 20))), max_tokens=6)
+             for i in range(N)]
+
+    def generate(group, on_each=lambda results: None):
+        results = []
+
+        def emit(r):
+            results.append(r)
+            on_each(results)
+        Scheduler(group, max_context=64, prefill_chunk=32, eos_ids=tok.eos_ids,
+                  decode=tok.decode, tier="f32").run(items, emit)
+        return {r.id: r for r in results}
+
+    spec = lambda name: WorkerSpec(name, str(tiny), "f32", 3, 64)  # noqa: E731
+    ref = generate(LocalGroup([Worker(spec("w"))]))
+    ray.init(address=gcs)
+    try:
+        group = RayGroup([(spec("a"), {"num_cpus": 0.5}), (spec("b"), {"num_cpus": 0.5})])
+
+        def kill_b(results):
+            if len(results) == 2:
+                ray.kill(group.actors[1])
+        got = generate(group, kill_b)
+        group.close()
+    finally:
+        ray.shutdown()
+    assert set(got) == set(ref)
+    for k in ref:
+        assert got[k].finish_reason != "error", got[k].error
+        assert got[k].completion_tokens == ref[k].completion_tokens, k
+    assert {r.worker for r in list(got.values())} <= {"a", "b"}
+    assert sum(r.worker == "a" for r in got.values()) > N // 2  # b's share moved to a
