@@ -3,8 +3,8 @@
 //
 // Compile-time parameters (-D): TIER 0 f32 / 1 kv8 / 2 tq4; MT = m-tiles of 16 heads per CTA
 // (1..4, so up to 64 heads share one pass over the cache); BT = tokens per tile; DL, DR =
-// latent and rope widths (DL % 64 == 0, DR % 16 == 0); NSTAGE = raw tiles in flight (1 or
-// 2, as shared memory allows); SKIP (timing only, results wrong) leaves stages out:
+// latent and rope widths (DL % 64 == 0, DR % 16 == 0); NSTAGE = raw tiles in flight (1 to
+// 3, as shared memory allows); SKIP (timing only, results wrong) leaves stages out:
 // 1 the f16 conversion, 2 the score products, 4 the context products, 8 the loads.
 //
 // Products run on the tensor cores: mma.sync m16n8k16, f16 operands, f32 accumulate. Every
@@ -67,7 +67,8 @@ typedef unsigned int u32;
 #define SM_SSR (SM_SSL + BT * 4)
 #define SM_BIAS (SM_SSR + BT * 4)
 #define SM_GL (SM_BIAS + BT * 4)
-#define SM_MAX (SM_GL + 3 * BT * 4)
+#define SGLR (NSTAGE + 1)  // ring of per-tile pool rows: the tile converting + the one issued
+#define SM_MAX (SM_GL + SGLR * BT * 4)
 #define SM_LSUM (SM_MAX + TG * MROWS * 4)
 #define SM_MFIN (SM_LSUM + TG * MROWS * 4)
 #define SM_LUT (SM_MFIN + MROWS * 4)
@@ -151,6 +152,45 @@ __device__ __forceinline__ u32 fp8x4_clean(u32 w) {
 // land in the f16 exponent/mantissa fields (bias 15 vs 7), subnormals included, exactly.
 __device__ __forceinline__ u32 fp8x2_h2(u32 t) {
     return ((t & 0x007F007Fu) << 7) | ((t << 8) & 0x80008000u);
+}
+
+// One conversion unit: 8 elements of a staged row -> 8 f16 (a uint4) of a Ks row.
+#define CV_UNITS (BT * (DK / 8))
+#if TIER == 0
+struct RawUnit { float4 a, b; };
+#define UB 1
+#elif TIER == 1
+typedef uint2 RawUnit;
+#define UB 3
+#else
+typedef u32 RawUnit;
+#define UB 3
+#endif
+
+// Unit j (of DK / 8) of token i in a staging buffer: L units first, then R units.
+__device__ __forceinline__ RawUnit load_unit(const unsigned char* st, int i, int j) {
+    const unsigned char* s = j < DL / 8 ? st + i * LROW + j * (LROW / (DL / 8))
+                                        : st + BT * LROW + i * RROW + (j - DL / 8) * (RROW / (DR / 8));
+#if TIER == 0
+    RawUnit r;
+    r.a = ((const float4*)s)[0];
+    r.b = ((const float4*)s)[1];
+    return r;
+#else
+    return *(const RawUnit*)s;
+#endif
+}
+
+__device__ __forceinline__ uint4 convert_unit(RawUnit w, const u32* lut) {
+#if TIER == 0
+    return make_uint4(pack_h2(w.a.x, w.a.y), pack_h2(w.a.z, w.a.w), pack_h2(w.b.x, w.b.y), pack_h2(w.b.z, w.b.w));
+#elif TIER == 1
+    u32 x = fp8x4_clean(w.x), y = fp8x4_clean(w.y);
+    return make_uint4(fp8x2_h2(__byte_perm(x, 0, 0x4140)), fp8x2_h2(__byte_perm(x, 0, 0x4342)),
+                      fp8x2_h2(__byte_perm(y, 0, 0x4140)), fp8x2_h2(__byte_perm(y, 0, 0x4342)));
+#else
+    return make_uint4(lut[w & 0xFF], lut[(w >> 8) & 0xFF], lut[(w >> 16) & 0xFF], lut[w >> 24]);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -241,7 +281,7 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
     float* ssL = (float*)(smem + SM_SSL);
     float* ssR = (float*)(smem + SM_SSR);
     float* sbias = (float*)(smem + SM_BIAS);
-    int* sgl = (int*)(smem + SM_GL);        // [3][BT] flat pool row of each token, -1 = none
+    int* sgl = (int*)(smem + SM_GL);        // [SGLR][BT] flat pool row of each token, -1 = none
     float* smax = (float*)(smem + SM_MAX);  // [TG][MROWS]
     float* slsum = (float*)(smem + SM_LSUM);
     float* smfin = (float*)(smem + SM_MFIN);
@@ -285,7 +325,7 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
     // group (empty past the end) so that cp_wait_stage counts stay uniform.
     auto issue = [&](int tile) {
         if (tile < ntiles && !(SKIP & 8)) {
-            const int* gls = sgl + (tile % 3) * BT;
+            const int* gls = sgl + (tile % SGLR) * BT;
             unsigned char* st = stage + (tile % NSTAGE) * STAGE_BYTES;
             float* rw = raws + (tile % NSTAGE) * 2 * BT;
             for (int c = tid; c < BT * CPT; c += NTHREADS) {
@@ -324,34 +364,31 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
     float c_run = 1.17549435e-38f;  // running max of the L scales (FLT_MIN: never 0)
 
     for (int it = 0; it < ntiles; ++it) {
-        const int* gls = sgl + (it % 3) * BT;
+        const int* gls = sgl + (it % SGLR) * BT;
         const unsigned char* stage_c = stage + (it % NSTAGE) * STAGE_BYTES;
         const float* raws_c = raws + (it % NSTAGE) * 2 * BT;
         cp_wait_stage();  // this tile's rows have landed (later tiles may still be in flight)
         __syncthreads();  // ... for every thread; and the last tile's Ks / Ps are free
         // ---- convert the staged tile to f16 rows (invalid tokens -> zero rows) ----
-        for (int u = tid; u < BT * (DK / 8); u += NTHREADS) {
-            if (SKIP & 1) break;
-            int i = u / (DK / 8), j = u % (DK / 8);
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (gls[i] >= 0) {
-                const unsigned char* s = j < DL / 8 ? stage_c + i * LROW + j * (LROW / (DL / 8))
-                                                    : stage_c + BT * LROW + i * RROW + (j - DL / 8) * (RROW / (DR / 8));
-#if TIER == 0
-                float4 a = ((const float4*)s)[0], b = ((const float4*)s)[1];
-                v = make_uint4(pack_h2(a.x, a.y), pack_h2(a.z, a.w), pack_h2(b.x, b.y), pack_h2(b.z, b.w));
-#elif TIER == 1
-                uint2 w = *(const uint2*)s;
-                w.x = fp8x4_clean(w.x);
-                w.y = fp8x4_clean(w.y);
-                v = make_uint4(fp8x2_h2(__byte_perm(w.x, 0, 0x4140)), fp8x2_h2(__byte_perm(w.x, 0, 0x4342)),
-                               fp8x2_h2(__byte_perm(w.y, 0, 0x4140)), fp8x2_h2(__byte_perm(w.y, 0, 0x4342)));
-#else
-                u32 w = *(const u32*)s;
-                v = make_uint4(slut[w & 0xFF], slut[(w >> 8) & 0xFF], slut[(w >> 16) & 0xFF], slut[w >> 24]);
-#endif
+        // UB units (8 elements each) per batch: loads first, then conversions and stores, so
+        // that a thread has several shared loads in flight (8 warps alone hide little).
+        if (!(SKIP & 1)) {
+#pragma unroll 1
+            for (int u0 = tid; u0 < CV_UNITS; u0 += UB * NTHREADS) {
+                RawUnit w[UB];
+                bool ok[UB];
+#pragma unroll
+                for (int b = 0; b < UB; ++b) {
+                    int u = u0 + b * NTHREADS, i = u / (DK / 8), j = u % (DK / 8);
+                    ok[b] = u < CV_UNITS && gls[i] >= 0;
+                    if (ok[b]) w[b] = load_unit(stage_c, i, j);
+                }
+#pragma unroll
+                for (int b = 0; b < UB; ++b) {
+                    int u = u0 + b * NTHREADS, i = u / (DK / 8), j = u % (DK / 8);
+                    if (u < CV_UNITS) *(uint4*)(Ks + i * KSTR + j * 8) = ok[b] ? convert_unit(w[b], slut) : make_uint4(0u, 0u, 0u, 0u);
+                }
             }
-            *(uint4*)(Ks + i * KSTR + j * 8) = v;
         }
         if (warp == 0) {  // per-token scales, mask bias and the tile's max L scale
             float cm = 0.0f;
@@ -375,7 +412,7 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
             for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
             if (lane == 0) sctile[0] = cm;
         }
-        if (tid < BT) sgl[((it + NSTAGE) % 3) * BT + tid] = pre;
+        if (tid < BT) sgl[((it + NSTAGE) % SGLR) * BT + tid] = pre;
         __syncthreads();
         issue(it + NSTAGE);  // overlaps with this tile's products (and the next tiles')
         if (tid < BT) pre = lookup(it + NSTAGE + 1, tid);  // consumed one tile later

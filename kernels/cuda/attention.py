@@ -66,7 +66,7 @@ class Shape:
         stage = int(self.bt * (self.dl + self.dr) * per)
         return (2 * mrows * kstr + 2 * self.bt * kstr + 2 * mrows * pstr
                 + self.nstage * (-(-stage // 16) * 16 + 4 * 2 * self.bt) + 3 * 4 * self.bt
-                + 4 * 3 * self.bt + 2 * 4 * tg * mrows + 4 * mrows + 4 * 256 + 16)
+                + 4 * (self.nstage + 1) * self.bt + 2 * 4 * tg * mrows + 4 * mrows + 4 * 256 + 16)
 
 
 def _smem_limit() -> int:
@@ -74,13 +74,15 @@ def _smem_limit() -> int:
 
 
 def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0) -> tuple[Shape, int]:
-    """(specialisation, head groups) for n_heads: up to 64 heads share one pass; two raw
-    tiles in flight where shared memory allows."""
+    """(specialisation, head groups) for n_heads: up to 64 heads share one pass; as many
+    raw tiles in flight (3, 2 or 1) as shared memory allows."""
     hg = min(64, -(-n_heads // 16) * 16)
     tid = _TIER_ID[tier.kind]
-    shape = Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr, 2, skip)
-    if shape.shared_bytes() > _smem_limit():
-        shape = Shape(tid, hg // 16, shape.bt, dl, dr, 1, skip)
+    limit = _smem_limit()
+    for nstage in (3, 2, 1):
+        shape = Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr, nstage, skip)
+        if shape.shared_bytes() <= limit:
+            break
     return shape, -(-n_heads // hg)
 
 
