@@ -29,7 +29,10 @@ Batch custom metadata (in each batch's IPC message):
 
 Reading keeps batches while they decode, continue the record count and match their crc;
 the first one that does not (a torn write, a flipped byte) ends the good prefix, and the
-next open for writing truncates the file there (self-heal).
+next open for writing truncates the file there (self-heal). Loaded records are strided
+views into the file's bytes (no per-record copy). pyarrow's stream writer has no
+"batch only" mode, so appends stream it through `_BatchSink`, which drops the schema
+message it writes first and the end-of-stream marker it writes on close.
 """
 from __future__ import annotations
 
@@ -166,10 +169,12 @@ class ArrowKVFile(CacheFile):
             layout = RecordLayout(fp, tier_from_tag(version, tag))
         except TierError:
             return c  # plan_load rejects it before the records are needed
-        if layout.record_bytes == rec:
-            one = len(pays) == 1  # a single batch is used in place, several are joined
-            c.records = layout.views(pays[0] if one else np.concatenate(pays or [data[:0]]),
-                                     tokens=toks[0] if one else np.concatenate(toks or [np.zeros(0, np.int32)]))
+        if layout.record_bytes != rec:
+            raise HeaderError(f"{self.path}: kvfleet.record_bytes={rec} but {layout.tier.name} "
+                              f"records of {fp.describe()} take {layout.record_bytes} bytes")
+        one = len(pays) == 1  # a single batch is used in place, several are joined
+        c.records = layout.views(pays[0] if one else np.concatenate(pays or [data[:0]]),
+                                 tokens=toks[0] if one else np.concatenate(toks or [np.zeros(0, np.int32)]))
         if c.good_end < c.file_size:
             c.note = (f"{self.path}: torn or corrupt tail after record {n} "
                       f"({c.file_size - c.good_end} bytes from byte {c.good_end}"

@@ -247,3 +247,12 @@ def test_pool_round_trip_through_disk(tmp_path, tier):
             assert x.tobytes() == y.tobytes()
     with pytest.raises(ValueError, match="do not fit"):
         to_pool(KVPool(3, 512, 64, "polar3", n_blocks=4), 0, recs)
+
+
+def test_schema_record_bytes_must_match_the_fingerprint(tmp_path):
+    from kvstore.disk import make_schema
+    p = tmp_path / "c.arrow"
+    schema = make_schema(2, 1, "kv8", FP, 1000)  # kv8 records of FP take 1756 bytes
+    p.write_bytes(schema.serialize().to_pybytes())  # a stream holding only the schema
+    f = ArrowKVFile(p, FP, "kv8")
+    assert len(f.load()) == 0 and "kvfleet.record_bytes=1000" in f.message
