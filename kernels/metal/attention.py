@@ -11,13 +11,14 @@ one chunk of rows is ever expanded to float32 -- never the whole cache. Per chun
 tier turns its codes into unscaled values V [B, Tc, n] plus one multiplier w [B, Tc]:
 
     f32   V = the rows, w = 1
-    kv8   V = fp8 table[byte], w = the row's scale            (score = (q.V) w, ctx += (p w) V)
+    kv8   V = e4m3 value of the byte, w = the row's scale            (score = (q.V) w, ctx += (p w) V)
     tq4   V = the codebook levels, w = radius/sqrtf(n)        in the ROTATED domain: q is
           rotated once per call, the context is accumulated rotated and unrotated once
 
 Positions outside a row's keys get w = 0 (and V = 0 for f32, whose garbage may be NaN), so
-pool garbage never reaches a sum. A hand-written Metal kernel is not used yet: every call
-is the MLX-op path and is counted in `stats.fallback["paged_attention"]` (see backend.py).
+pool garbage never reaches a sum. Where Metal is on, a hand-written kernel
+(kernels/metal/native.py, guarded by a self-check) serves the call instead; every call the
+op path serves is counted in `stats.fallback["paged_attention"]` (see backend.py).
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ import numpy as np
 
 from kernels.cpu.attention import LayerPlanes
 from kernels.cpu.rotation import rotatable
-from kernels.metal import fp8, rotation, tq4
+from kernels.metal import native as metal_native
+from kernels.metal import rotation, tq4
 from kernels.metal.backend import KernelStats
 from kernels.tiers import Tier, TierError, get_tier
 
 SUPPORTED = ("f32", "fp8", "tq")
-_NEG_INF = mx.array(-math.inf, mx.float32)
+_FLOOR = -1e30  # below any score; the running max starts here
 
 
 def _values(tier: Tier, codes: mx.array, scale: mx.array, valid: mx.array, n: int):
@@ -41,8 +43,10 @@ def _values(tier: Tier, codes: mx.array, scale: mx.array, valid: mx.array, n: in
     zero = mx.array(0.0, mx.float32)
     if tier.kind == "f32":
         return mx.where(valid[..., None], codes, zero), valid.astype(mx.float32)
-    if tier.kind == "fp8":
-        return fp8.table()[codes], mx.where(valid, scale, zero)
+    if tier.kind == "fp8":  # MLX's e4m3 conversion is the table except 0x7F/0xFF (NaN -> 0)
+        nan_code = (codes & 0x7F) == 0x7F
+        v = mx.from_fp8(mx.where(nan_code, mx.array(0, mx.uint8), codes), mx.float32)
+        return v, mx.where(valid, scale, zero)
     if not rotatable(n):  # a width tq4 cannot rotate is stored inert: contributes nothing
         return mx.zeros((*codes.shape[:-1], n), mx.float32), mx.zeros(valid.shape, mx.float32)
     return tq4.unpack_levels(codes), mx.where(valid, tq4.step(scale, n), zero)
@@ -62,12 +66,12 @@ def _chunk(tier, planes, idx, valid, ql, qr, qmask, scale, state):
     s = s * scale  # [B, QH, Tc]
     QH, Q = ql.shape[1], qmask.shape[1]
     mask = mx.broadcast_to(qmask[:, :, None, :], (B, Q, QH // Q, C * bs)).reshape(B, QH, -1)
-    s = mx.where(mask, s, _NEG_INF)
     m, l, acc = state
-    m_new = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
-    m_safe = mx.where(mx.isinf(m_new), mx.array(0.0, mx.float32), m_new)  # no key seen yet
-    alpha = mx.exp(m - m_safe)
-    p = mx.exp(s - m_safe)
+    # a finite floor instead of -inf, and p masked explicitly: no inf arithmetic, so fast
+    # math (which may assume finite values) cannot change the result
+    m_new = mx.maximum(m, mx.max(mx.where(mask, s, _FLOOR), axis=-1, keepdims=True))
+    alpha = mx.exp(m - m_new)
+    p = mx.where(mask, mx.exp(s - m_new), mx.array(0.0, mx.float32))
     l = l * alpha + mx.sum(p, axis=-1, keepdims=True)
     acc = acc * alpha + (p * wl[:, None, :]) @ vl
     return m_new, l, acc
@@ -75,8 +79,11 @@ def _chunk(tier, planes, idx, valid, ql, qr, qmask, scale, state):
 
 def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_lat: mx.array,
                         q_rope: mx.array, q_pos, scale: float, *,
-                        stats: KernelStats | None = None, chunk_tokens: int = 2048) -> mx.array:
-    """Absorbed MLA attention through block tables on MLX arrays; see the module docstring."""
+                        stats: KernelStats | None = None, chunk_tokens: int = 2048,
+                        native: bool = True) -> mx.array:
+    """Absorbed MLA attention through block tables on MLX arrays; see the module docstring.
+    With `native` (the default) the hand-written Metal kernel serves the call where it is
+    usable (kernels/metal/native.py); otherwise the MLX-op path does, counted in `stats`."""
     tier = get_tier(tier)
     if tier.kind not in SUPPORTED:
         raise TierError(f"{tier.name}: no MLX attention for kind {tier.kind!r}; "
@@ -92,13 +99,18 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
                          f"{tuple(q_rope.shape)} q_pos {q_pos.shape} block_tables "
                          f"{block_tables.shape} l_codes {tuple(planes.l_codes.shape)} "
                          f"r_codes {tuple(planes.r_codes.shape)} for tier {tier.name}")
+    bs = planes.l_codes.shape[1]
+    if native and metal_native.usable(tier.name, Dl, Dr, bs):
+        if stats is not None:
+            stats.count_native("paged_attention")
+        return metal_native.attend(tier, planes, block_tables, q_lat, q_rope, q_pos, scale)
     if stats is not None:
-        stats.count_fallback("paged_attention", "no hand-written Metal attention kernel")
+        stats.count_fallback("paged_attention", "no usable Metal kernel here (needs Metal, "
+                             "Dl/Dr multiples of 32 and a passed self-check)")
     n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
     t_max = int(n_keys.max(initial=0))
     if t_max <= 0:
         return mx.zeros((B, Q, H, Dl), mx.float32)
-    bs = planes.l_codes.shape[1]
     n_blk = min(math.ceil(t_max / bs), block_tables.shape[1])
     per = max(1, chunk_tokens // bs)
 
@@ -106,11 +118,11 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
     qr = q_rope.astype(mx.float32).reshape(B, Q * H, Dr)
     rot_l = tier.kind == "tq" and rotatable(Dl)
     if rot_l:
-        ql = rotation.rotate(ql)
+        ql = rotation.rotate_fast(ql)
     if tier.kind == "tq" and rotatable(Dr):
-        qr = rotation.rotate(qr)
+        qr = rotation.rotate_fast(qr)
     qp = mx.array(q_pos.astype(np.int32))
-    state = (mx.full((B, Q * H, 1), -math.inf, mx.float32), mx.zeros((B, Q * H, 1), mx.float32),
+    state = (mx.full((B, Q * H, 1), _FLOOR, mx.float32), mx.zeros((B, Q * H, 1), mx.float32),
              mx.zeros((B, Q * H, Dl), mx.float32))
     for c0 in range(0, n_blk, per):
         bt = block_tables[:, c0:min(c0 + per, n_blk)]  # [B, C]
@@ -123,5 +135,5 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
     _, l, acc = state
     ctx = acc / mx.where(l > 0, l, mx.array(1.0, mx.float32))  # l = 0: padding query -> 0
     if rot_l:
-        ctx = rotation.unrotate(ctx)
+        ctx = rotation.unrotate_fast(ctx)
     return ctx.reshape(B, Q, H, Dl)

@@ -4,10 +4,10 @@ kernels/cpu/fp8.py (the contract is in DESIGN.md "KV tiers" and that module's do
 The encoder works on float32 bit patterns with integer ops, as the numpy one does: RNE to
 3 mantissa bits is (m + 0x7FFFF + lsb) >> 20, the exponent rebias subtracts 120 << 3, values
 below 2^-6 take the subnormal code rint(a * 2^9), above 448 (and Inf) saturate to 0x7E, NaN
-encodes to 0x00. Per row, only max/abs/multiply and bit ops run on the compute device; the
+encodes to 0x00 -- all on the integer bits, the subnormal rint included. Per row, only max/abs/multiply and bit ops run on the compute device; the
 two per-row divisions (448/amax and amax/448) run on the CPU stream, where IEEE division is
-correctly rounded (Metal's fast-math division need not be). Nothing is wrapped in
-mx.compile: a fused kernel could contract float ops, and the codes are a byte contract.
+correctly rounded (Metal's fast-math division need not be). NaN is found by bit tests, not
+isnan (which fast math may fold away). `enc` is fused with mx.compile: it is integer-only.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _u32(v: int) -> mx.array:
 def row_scale(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """x[R, n] -> (live[R] bool, inv[R] = 448/amax, scale[R] = amax/448 or 1 when inert)."""
     a = mx.abs(x)
-    amax = mx.max(mx.where(mx.isnan(a), mx.array(0.0, mx.float32), a), axis=-1)  # NaN ignored
+    is_nan = (x.view(mx.uint32) & _u32(0x7FFFFFFF)) > _u32(0x7F800000)  # bit test: no
+    amax = mx.max(mx.where(is_nan, mx.array(0.0, mx.float32), a), axis=-1)  # isnan under fast math
     live = (amax > ref._TINY.item()) & ~(amax > ref._HUGE.item())
     safe = mx.where(live, amax, mx.array(448.0, mx.float32))
     inv = mx.divide(mx.array(448.0, mx.float32), safe, stream=mx.cpu)
@@ -34,17 +35,33 @@ def row_scale(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return live, inv, scale
 
 
+def _enc(u: mx.array) -> mx.array:
+    """enc() on the uint32 bit patterns of float32 values; integer ops only."""
+    m = u & 0x7FFFFFFF
+    sign = (u >> 24) & 0x80
+    normal = ((m + 0x7FFFF + ((m >> 20) & 1)) >> 20) - (120 << 3)
+    # below 2^-6 the code is rint(a * 2^9): the significand (implicit bit included) shifted
+    # right by 141 - biased exponent, rounded half to even (shifts of 25+ leave 0)
+    sig = (m & 0x7FFFFF) | mx.where(m >= 0x800000, 0x800000, 0).astype(mx.uint32)
+    sh = mx.clip(141 - (m >> 23).astype(mx.int32), 1, 25).astype(mx.uint32)
+    q = sig >> sh
+    rem = sig & ((mx.array(1, mx.uint32) << sh) - 1)
+    half = mx.array(1, mx.uint32) << (sh - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(mx.uint32)
+    code = mx.where(m < 0x3C800000, sub, normal)      # below 2^-6: subnormal code
+    code = mx.where(m > 0x43E00000, 0x7E, code)         # > 448 and Inf saturate
+    code = mx.where(m > 0x7F800000, 0, code | sign)     # NaN -> 0x00
+    return code.astype(mx.uint8)
+
+
+# Integer ops only: fusing them cannot change a bit (no float op to contract or relax), and
+# the fused kernel is several times faster on the CPU backend. Shapeless: traced once.
+_enc_fused = mx.compile(_enc, shapeless=True)
+
+
 def enc(f: mx.array) -> mx.array:
     """The contract's enc() of float32 values (already multiplied by inv) -> uint8 codes."""
-    u = f.astype(mx.float32).view(mx.uint32)
-    m = u & _u32(0x7FFFFFFF)
-    sign = (u >> _u32(24)) & _u32(0x80)
-    normal = ((m + _u32(0x7FFFF) + ((m >> _u32(20)) & _u32(1))) >> _u32(20)) - _u32(120 << 3)
-    sub = mx.round(m.view(mx.float32) * mx.array(512.0, mx.float32)).astype(mx.uint32)
-    code = mx.where(m < _u32(0x3C800000), sub, normal)     # below 2^-6: subnormal code
-    code = mx.where(m > _u32(0x43E00000), _u32(0x7E), code)  # > 448 and Inf saturate
-    code = mx.where(m > _u32(0x7F800000), _u32(0), code | sign)  # NaN -> 0x00
-    return code.astype(mx.uint8)
+    return _enc_fused(f.astype(mx.float32).view(mx.uint32))
 
 
 def encode(x: mx.array) -> tuple[mx.array, mx.array]:

@@ -32,8 +32,8 @@ def hadamard(a: mx.array) -> mx.array:
     h = 1
     while h < n:
         v = a.reshape(*lead, n // (2 * h), 2, h)
-        lo, hi = v[..., 0, :], v[..., 1, :]
-        a = mx.stack([lo + hi, lo - hi], axis=-2).reshape(*lead, n)
+        lo, hi = v[..., 0:1, :], v[..., 1:2, :]
+        a = mx.concatenate([lo + hi, lo - hi], axis=-2).reshape(*lead, n)
         h *= 2
     return a * mx.array(_constants(n)[1], dtype=mx.float32)
 
@@ -49,3 +49,17 @@ def rotate(x: mx.array) -> mx.array:
 def unrotate(y: mx.array) -> mx.array:
     """x = D H(y) on the last axis (float32)."""
     return hadamard(y.astype(mx.float32)) * _constants(y.shape[-1])[0]
+
+
+def rotate_fast(x: mx.array) -> mx.array:
+    """rotate() through MLX's own Walsh-Hadamard kernel, for the attention consumers only:
+    the same transform, but its add order is MLX's (equal bits on the CPU backend in our
+    tests, not promised on Metal), so codes are never computed with it."""
+    n = x.shape[-1]
+    return mx.hadamard_transform(x.astype(mx.float32) * _constants(n)[0], scale=_constants(n)[1])
+
+
+def unrotate_fast(y: mx.array) -> mx.array:
+    """unrotate() through MLX's Walsh-Hadamard kernel (consumers only; see rotate_fast)."""
+    n = y.shape[-1]
+    return mx.hadamard_transform(y.astype(mx.float32), scale=_constants(n)[1]) * _constants(n)[0]

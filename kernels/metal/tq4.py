@@ -8,8 +8,9 @@ stream (mx.cpu, on every machine) as a float64 cumulative sum -- a sequential sc
 contract's loop order -- and the per-row divide sqrtf(n)/norm runs there too (correctly
 rounded IEEE division). On a Mac the CPU stream reads the same unified memory, so this costs
 one pass over the rows on the CPU, no copy. Everything else (rotation, nearest level,
-nibble packing) is float32 multiply/add/compare and integer ops on the compute device,
-with no mx.compile (a fused kernel may contract float ops).
+nibble packing) is float32 multiply/add/compare and integer ops on the compute device.
+Only the nearest-level search is fused with mx.compile (it has no multiply that could be
+contracted into an fma); the rotation and the scaling stay separate ops.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from kernels.cpu import tq4 as ref
 from kernels.cpu.rotation import rotatable
 from kernels.metal.rotation import rotate, unrotate
 
-_LEVELS = mx.array(ref.LEVELS)
 _PAIR_LEVELS = mx.array(ref.PAIR_LEVELS)  # [256, 2]: levels of a byte, low nibble first
 
 
@@ -31,16 +31,33 @@ def row_norms(x: mx.array) -> mx.array:
     return mx.sqrt(acc[:, -1], stream=mx.cpu).astype(mx.float32, stream=mx.cpu)
 
 
+def _nearest(v: mx.array, bits: mx.array) -> mx.array:
+    # lo = last level <= v (clamped to 0..14) and its two bracketing levels, by a chain of
+    # compares against constants -- elementwise only, so the fused kernel is one pass
+    lv = [float(a) for a in ref.LEVELS]
+    ge = v >= lv[1]  # no arrays built from v.shape: the trace is shapeless
+    lo = ge.astype(mx.uint8)
+    lo_lv, hi_lv = mx.where(ge, lv[1], lv[0]), mx.where(ge, lv[2], lv[1])
+    for k in range(2, 15):
+        ge = v >= lv[k]
+        lo = lo + ge.astype(mx.uint8)
+        lo_lv = mx.where(ge, lv[k], lo_lv)
+        hi_lv = mx.where(ge, lv[k + 1], hi_lv)
+    code = lo + (mx.abs(v - hi_lv) < mx.abs(v - lo_lv)).astype(mx.uint8)
+    finite = (bits & 0x7FFFFFFF) < 0x7F800000  # bit test on v's pattern: safe under fast math
+    return mx.where(finite, code, mx.array(0, mx.uint8))
+
+
+# v is an input of the fused kernel and it only subtracts, compares and selects: no multiply
+# feeds an add inside it, so fusion cannot contract anything into an fma.
+_nearest_fused = mx.compile(_nearest, shapeless=True)
+
+
 def nearest_level(v: mx.array) -> mx.array:
     """Index of the nearest level per float32 value; ties keep the lower index. A non-finite
     v (butterfly overflow near 3.4e38) has no strictly smaller distance: index 0."""
-    lo = mx.sum(v[..., None] >= _LEVELS, axis=-1).astype(mx.int32) - 1  # last level <= v
-    lo = mx.clip(lo, 0, 14)
-    d_lo = mx.abs(v - _LEVELS[lo])
-    d_hi = mx.abs(v - _LEVELS[lo + 1])
-    code = lo + (d_hi < d_lo).astype(mx.int32)
-    finite = ~(mx.isnan(v) | mx.isinf(v))
-    return mx.where(finite, code, 0).astype(mx.uint8)
+    v = v.astype(mx.float32)
+    return _nearest_fused(v, v.view(mx.uint32))
 
 
 def encode(x: mx.array) -> tuple[mx.array, mx.array]:

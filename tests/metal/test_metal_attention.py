@@ -193,3 +193,30 @@ def test_mlx_pool_matches_numpy_pool(tier):
         p.free_slot(slots[1])
     assert pools[0].bytes_in_use() == pools[1].bytes_in_use()
     assert pools[1].length(slots[0]) == 20 and pools[1].free_slots() == 2
+
+
+def test_native_kernel_guard(monkeypatch):
+    """The Metal kernel cannot run here; its guard can: off without Metal, used when the
+    self-check agrees, refused (op path, counted) when it disagrees or fails to build."""
+    from kernels.metal import native
+    tier = get_tier("kv8")
+    assert native.usable("kv8", 64, 32, 8) is (native.metal_enabled() and True)
+    rng = np.random.default_rng(2)
+    planes, tables, _ = make_pool(rng, tier, [20, 9], 64, 32, 8)
+    q_lat, q_rope, q_pos = queries(rng, [20, 9], 1, 2, 64, 32)
+    args = (to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope), q_pos, 0.2)
+    monkeypatch.setattr(native, "metal_enabled", lambda: True)
+
+    def fake_good(t, pl, bt, ql, qr, qp, sc):
+        return paged_mla_attention(t, pl, bt, ql, qr, qp, sc, native=False)
+
+    for fake, used in [(fake_good, True), (lambda *a: fake_good(*a) * 1.001, False),
+                       (lambda *a: 1 / 0, False)]:
+        native.usable.cache_clear()
+        monkeypatch.setattr(native, "attend", fake)
+        stats = KernelStats()
+        out = paged_mla_attention("kv8", *args, stats=stats)
+        assert (stats.native["paged_attention"], stats.fallback["paged_attention"]) == (int(used), int(not used))
+        check_close(out, reference64("kv8", planes, tables, q_lat, q_rope, q_pos, 0.2))
+    native.usable.cache_clear()
+    assert not native.supported(get_tier("tq4"), 96, 32) and not native.supported(tier, 80, 32)
