@@ -106,11 +106,12 @@ def plan_load(path: str, version: int, tag: int, file_fp: Fingerprint,
                         f"{path}: f32 cache (v1) quantized to {tier.name} on load; the file is "
                         f"rewritten as {tier_label(tier)} at the next save")
     if file_tier.version == 2:
-        how = "set KV8=1 (--kv-tier kv8) to resume it"
-    elif tier.version == 3:
-        how = f"run with --kv-tier {file_tier.name} to resume it"
+        how = "set KV8=1 (or --kv kv8) to resume it"
+    elif file_tier.kind == "tq":
+        how = f"set KV_TQ={file_tier.bits} (or --kv {file_tier.name}) to resume it"
     else:
-        how = f"run with --kv-tier {file_tier.name} (KV_TQ) to resume it"
+        how = (f"set KV_TQ={file_tier.bits} KV_TQ_POLAR=1 (or --kv {file_tier.name}) "
+               f"to resume it")
     return LoadPlan("reject", file_tier,
                     f"{path}: ignored: written as {tier_label(file_tier)} but running "
                     f"{tier_label(tier)}; {how}; starting clean; the next save replaces it")

@@ -28,7 +28,8 @@ def register(sub) -> None:
     ins = kv.add_parser("inspect", help="print a KV cache file's header and health")
     ins.add_argument("file")
     ins.add_argument("--model", help="model dir or config.json: also say whether it would resume")
-    ins.add_argument("--tier", choices=sorted(TIERS), help="running tier for the --model check")
+    ins.add_argument("--kv", choices=sorted(TIERS), help="running KV tier for the --model check "
+                     "(default: the file's)")
     ins.set_defaults(func=inspect_cmd)
     cv = kv.add_parser("convert", help="rewrite a KV cache in another format and/or tier")
     cv.add_argument("input")
@@ -107,7 +108,7 @@ def _model_check(args, f) -> int:
         model_fp = Fingerprint.from_config(ModelConfig.from_file(path))
     except (ConfigError, OSError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
-    tier = get_tier(args.tier or f.tier.name)
+    tier = get_tier(args.kv or f.tier.name)
     plan = plan_load(f.path, f.tier.version, f.tier.tag, f.fp, model_fp, tier)
     print(f"resume with {tier.name}: {plan.action}" + (f" ({plan.message})" if plan.message else ""))
     if plan.action == "reject":

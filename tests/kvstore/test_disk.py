@@ -77,10 +77,10 @@ def test_v1_upgrade_left_intact_until_save(tmp_path, tier):
 @pytest.mark.parametrize("file_tier,run_tier,words", [
     ("kv8", "f32", ["kv8 (v2)", "KV8=1"]),
     ("kv8", "tq4", ["kv8 (v2)", "KV8=1"]),
-    ("tq4", "kv8", ["codec 1 rotated int4, 4-bit"]),
+    ("tq4", "kv8", ["codec 1 rotated int4, 4-bit", "KV_TQ=4"]),
     ("tq4", "f32", ["codec 1 rotated int4, 4-bit"]),
     ("tq4", "polar3", ["codec 1 rotated int4, 4-bit", "codec 0 PolarQuant, 3-bit"]),
-    ("polar5", "polar4", ["PolarQuant, 5-bit", "PolarQuant, 4-bit"]),
+    ("polar5", "polar4", ["PolarQuant, 5-bit", "PolarQuant, 4-bit", "KV_TQ=5 KV_TQ_POLAR=1"]),
 ])
 def test_reject_other_tier(tmp_path, file_tier, run_tier, words):
     p = tmp_path / "c.arrow"

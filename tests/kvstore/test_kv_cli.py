@@ -72,7 +72,7 @@ def test_inspect_reports_torn_tail_and_model_check(tmp_path, capsys):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     rc, out, _ = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m")
     assert rc == 0 and "resume with kv8: load" in out
-    rc, out, err = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m", "--tier", "tq4")
+    rc, out, err = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m", "--kv", "tq4")
     assert rc == 2 and "KV8=1" in err and str(p) in err
     cfg["num_hidden_layers"] = 5
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
