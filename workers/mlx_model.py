@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kernels.metal import backend
 from kernels.metal.backend import KernelStats
 from kernels.metal.pool import MLXKVPool
 from workers.config import ModelConfig
@@ -60,6 +61,7 @@ def rope_apply(x: mx.array, cos: mx.array, sin: mx.array, interleave: bool) -> m
 class MLXLayer:
     def __init__(self, cfg: ModelConfig, i: int, p: dict[str, mx.array], np_bias):
         self.cfg, self.i, self.p = cfg, i, p
+        self.experts = None  # routed-expert provider (workers.moe.MoE); None = all in p
         self.router_bias = np_bias  # numpy: routing runs on the host (workers.moe.route)
         nh, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         kv_b = p["kv_b"].reshape(nh, dn + dv, cfg.kv_lora_rank)
@@ -94,6 +96,11 @@ class MLXLayer:
         p = self.p
         logits = x @ p["router"].T
         idx, w = route(self.cfg, np.array(logits), self.router_bias)  # host: [N, k]
+        if self.experts is not None:  # expert parallel: the provider works on host arrays
+            out = mx.array(self.experts.apply(self.i, np.array(x), idx, w))
+            if "shared.gate" in p:
+                out = out + gated_mlp(x, p["shared.gate"], p["shared.up"], p["shared.down"])
+            return out
         flat = idx.reshape(-1)
         order = np.argsort(flat, kind="stable")
         experts, starts = np.unique(flat[order], return_index=True)
@@ -126,6 +133,7 @@ class MLXModel:
                  stats: KernelStats | None = None):
         self.config = cfg
         self.stats = stats if stats is not None else KernelStats()
+        self.device = backend.device()  # Metal GPU unless absent or KVFLEET_METAL=0/COLI_METAL=0
         self.rope = Rope.from_config(cfg)
         self.embed = mx.array(params["embed"])
         self.norm = mx.array(params["norm"])
@@ -138,10 +146,17 @@ class MLXModel:
                                         p.get("router_bias")))
         mx.eval(self.embed, self.lm_head, [list(layer.p.values()) for layer in self.layers])
 
+    def set_experts(self, experts) -> None:
+        """Route every MoE layer's experts through `experts` (see workers.moe.MoE)."""
+        for layer in self.layers:
+            layer.experts = experts
+
     @classmethod
-    def load(cls, model_dir: str | Path, stats: KernelStats | None = None) -> "MLXModel":
+    def load(cls, model_dir: str | Path, stats: KernelStats | None = None,
+             experts: dict[int, np.ndarray] | None = None) -> "MLXModel":
+        """experts: load only these routed experts per layer (workers.weights.load_params)."""
         cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
-        model = cls(cfg, load_params(model_dir, cfg), stats)
+        model = cls(cfg, load_params(model_dir, cfg, experts=experts), stats)
         log.info("loaded %s on MLX (%s): %d layers, vocab %d", model_dir, mx.default_device(),
                  cfg.num_hidden_layers, cfg.vocab_size)
         return model
@@ -158,14 +173,15 @@ class MLXModel:
         if tokens.min() < 0 or tokens.max() >= V or positions.min() < 0:
             raise ValueError(f"token ids must lie in [0, {V}) and positions be >= 0; got ids "
                              f"{tokens.min()}..{tokens.max()}, positions from {positions.min()}")
-        cos, sin = (mx.array(a) for a in self.rope.cos_sin(positions))
-        x = self.embed[mx.array(tokens.astype(np.int32))]
-        for layer in self.layers:
-            x = layer(x, slots, positions, pool, cos, sin, self.rope)
-        if logits_at is not None:
-            x = x[mx.array(np.asarray(logits_at, np.int32))]
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return np.array(x @ self.lm_head.T, dtype=np.float32)
+        with mx.stream(self.device):
+            cos, sin = (mx.array(a) for a in self.rope.cos_sin(positions))
+            x = self.embed[mx.array(tokens.astype(np.int32))]
+            for layer in self.layers:
+                x = layer(x, slots, positions, pool, cos, sin, self.rope)
+            if logits_at is not None:
+                x = x[mx.array(np.asarray(logits_at, np.int32))]
+            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+            return np.array(x @ self.lm_head.T, dtype=np.float32)
 
     def drain_fallbacks(self) -> dict[str, int]:
         """Fallbacks since the last call (the worker step reports them)."""
@@ -173,10 +189,11 @@ class MLXModel:
 
 
 def load_metal(model_dir: str | Path, tier: str, slots: int, max_context: int,
-               block_size: int = 16) -> tuple[MLXModel, MLXKVPool]:
+               block_size: int = 16, experts: dict[int, np.ndarray] | None = None
+               ) -> tuple[MLXModel, MLXKVPool]:
     """The model and KV pool of a `metal` worker, sharing one KernelStats."""
     stats = KernelStats()
-    model = MLXModel.load(model_dir, stats)
+    model = MLXModel.load(model_dir, stats, experts=experts)
     pool = MLXKVPool.for_model(model.config, tier, slots, max_context, block_size=block_size)
     pool.stats = stats
     return model, pool

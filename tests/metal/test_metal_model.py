@@ -99,3 +99,16 @@ def test_load_metal_factory_shares_stats(tiny_dir):
     assert model.drain_fallbacks() == {}
     with pytest.raises(ValueError, match="polar3"):
         load_metal(tiny_dir, "polar3", slots=1, max_context=8)
+
+
+def test_backend_selection_and_budget():
+    from kernels.metal import backend
+    assert backend.opted_out({"KVFLEET_METAL": "0"}) and backend.opted_out({"COLI_METAL": "off"})
+    assert not backend.opted_out({"KVFLEET_METAL": "1", "COLI_METAL": ""})
+    assert backend.device({"KVFLEET_METAL": "0"}) == mx.cpu
+    assert backend.metal_enabled({}) == backend.metal_available()
+    if not backend.metal_available():  # Linux: the MLX CPU backend, physical RAM
+        assert backend.device({}) == mx.cpu
+        import os
+        assert backend.memory_budget() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert backend.memory_budget() > 2 ** 28
