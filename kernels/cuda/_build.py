@@ -32,6 +32,8 @@ def _module(name: str, defines: tuple[tuple[str, int], ...], exact: bool,
             device: int) -> cp.RawModule:
     opts = (EXACT_OPTIONS if exact else FAST_OPTIONS) + tuple(
         f"-D{k}={v}" for k, v in defines)
+    if os.environ.get("KVFLEET_CUDA_LINEINFO") == "1":  # source lines for ncu / profilers
+        opts += ("--generate-line-info",)
     mod = cp.RawModule(code=_source(name), options=opts)
     mod.compile()
     return mod
