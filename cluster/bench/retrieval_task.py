@@ -1,0 +1,82 @@
+"""The key-value retrieval task that the shipped model is trained on and the quality oracle asks.
+
+A document is a list of pair lines, then question lines whose answer is a pair far back:
+
+    k482: v731
+    k090: v115
+    ...
+    value of k482? v731
+
+Keys and values are three digits (zero-padded). The tokenizer splits digits one by one, so
+a line is about ten tokens and a 1024-token context holds about a hundred pairs. Training
+documents (scripts/make_training_data.py) draw from `numpy.random.default_rng(train seed)`;
+the oracle's items draw from ORACLE_SEED, a seed no training run uses, so an oracle prompt
+is never a training document.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_SPACE = 1000  # keys and values are 000..999
+ORACLE_SEED = 0x0AC1E  # the oracle's items; training seeds must differ (the trainer checks)
+PAIR_TOKENS = 10  # "k" d d d ":" " v" d d d "\n"
+QUESTION_TOKENS = 12  # "value" " of" " k" d d d "?" " v" d d d "\n"
+
+
+def pair_line(key: int, value: int) -> str:
+    return f"k{key:03d}: v{value:03d}\n"
+
+
+def question(key: int) -> str:
+    return f"value of k{key:03d}?"
+
+
+def answer(value: int) -> str:
+    return f" v{value:03d}"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One oracle question: `prompt` ends with the question; the right greedy continuation
+    starts with `answer`. `depth` is how many pair lines back the asked pair sits."""
+    prompt: str
+    answer: str
+    n_pairs: int
+    depth: int
+
+
+def pairs_for_context(context_tokens: int) -> int:
+    """How many pair lines fill a prompt of about `context_tokens` tokens (one question)."""
+    n = (context_tokens - QUESTION_TOKENS) // PAIR_TOKENS
+    if n < 2:
+        raise ValueError(f"context {context_tokens} tokens is too short for a retrieval item "
+                         f"(needs at least {2 * PAIR_TOKENS + QUESTION_TOKENS})")
+    return n
+
+
+def oracle_items(n_items: int, context_tokens: int, seed: int = ORACLE_SEED) -> list[Item]:
+    """`n_items` prompts of about `context_tokens` tokens; the asked pair lies in the first half
+    of the list, so the answer is far back. Deterministic in (n_items, context_tokens, seed)."""
+    if n_items <= 0:
+        raise ValueError(f"n_items must be positive, got {n_items}")
+    n_pairs = pairs_for_context(context_tokens)
+    rng = np.random.default_rng([seed, context_tokens])
+    items = []
+    for _ in range(n_items):
+        keys = rng.choice(KEY_SPACE, size=n_pairs, replace=False)
+        values = rng.integers(0, KEY_SPACE, size=n_pairs)
+        asked = int(rng.integers(0, max(1, n_pairs // 2)))
+        body = "".join(pair_line(int(k), int(v)) for k, v in zip(keys, values))
+        items.append(Item(prompt=body + question(int(keys[asked])), answer=answer(int(values[asked])),
+                          n_pairs=n_pairs, depth=n_pairs - asked))
+    return items
+
+
+def is_correct(item: Item, completion: str) -> bool:
+    """The completion must start with the answer and not continue it with another digit."""
+    if not completion.startswith(item.answer):
+        return False
+    rest = completion[len(item.answer):]
+    return not (rest[:1].isdigit())
