@@ -38,7 +38,7 @@ def _shape(s: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--backend", choices=["cuda", "cpu", "metal"], default="cuda")
     p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in SHAPES],
                    metavar="BxT")
     p.add_argument("--heads", dest="head_counts", nargs="+", type=int, default=HEADS)
@@ -306,6 +306,9 @@ def _print_table(res: dict) -> None:
 
 
 def run(args) -> int:
+    if args.backend == "metal":  # MLX vs numpy: cluster/bench/attention_metal.py
+        from cluster.bench import attention_metal
+        return attention_metal.run(args)
     res = bench_cuda(args) if args.backend == "cuda" else bench_cpu(args)
     if args.json:
         json.dump(res, sys.stdout, indent=1)

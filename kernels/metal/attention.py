@@ -105,8 +105,7 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
             stats.count_native("paged_attention")
         return metal_native.attend(tier, planes, block_tables, q_lat, q_rope, q_pos, scale)
     if stats is not None:
-        stats.count_fallback("paged_attention", "no usable Metal kernel here (needs Metal, "
-                             "Dl/Dr multiples of 32 and a passed self-check)")
+        stats.count_fallback("paged_attention", metal_native.unusable_reason(tier, Dl, Dr))
     n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
     t_max = int(n_keys.max(initial=0))
     if t_max <= 0:

@@ -29,7 +29,7 @@ from kernels.cpu import tq4 as cpu_tq4
 from kernels.cpu.attention import LayerPlanes
 from kernels.cpu.rotation import rotatable
 from kernels.metal import rotation
-from kernels.metal.backend import metal_enabled
+from kernels.metal.backend import metal_available, metal_enabled
 from kernels.tiers import Tier, get_tier
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,18 @@ def attend(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray, q_lat: mx.
     if tier.kind == "tq":
         out = rotation.unrotate_fast(out)
     return out.reshape(B, Q, H, Dl)
+
+
+def unusable_reason(tier: Tier, Dl: int, Dr: int) -> str:
+    """Why the op path serves a call (for the fallback log): no Metal, opted out, a shape
+    the kernel does not take, or a failed self-check."""
+    if not metal_available():
+        return "no Metal device (MLX CPU backend)"
+    if not metal_enabled():
+        return "Metal kernels opted out (KVFLEET_METAL/COLI_METAL=0)"
+    if not supported(tier, Dl, Dr):
+        return f"{tier.name} with Dl={Dl}, Dr={Dr} is not a shape the Metal kernel takes"
+    return "the Metal kernel failed its self-check (logged above)"
 
 
 @lru_cache(maxsize=None)
