@@ -40,3 +40,11 @@ def write_lines(path: Path, lines: list[str]) -> Path:
 def rows_by_id(path: Path) -> dict:
     rows = pq.read_table(path).to_pylist()
     return {r["id"] if r["id"] is not None else f"#line{r['line']}": r for r in rows}
+
+
+def prepared(i: int, ids, max_tokens: int = 6):
+    """A greedy scheduler item with id r<i>."""
+    from cluster.requests import Request
+    from cluster.scheduler import Prepared
+    return Prepared(Request(id=f"r{i}", line=i + 1), np.asarray(ids, np.int32), max_tokens,
+                    0.0, 1.0, 0)

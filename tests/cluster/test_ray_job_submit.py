@@ -17,12 +17,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from cluster.config import load_job_config
 from cluster.jobs.generate import run_generate
-from runtime_helpers import ROOT, make_tiny, prompt_lines, rows_by_id, write_lines
+from runtime_helpers import ROOT, make_tiny, prepared, prompt_lines, rows_by_id, write_lines
 
 pytestmark = pytest.mark.slow
 N = 12
@@ -120,13 +121,12 @@ def test_killed_worker_actor_requests_rerun_on_the_other(ray_head, tmp_path):
     from cluster.scheduler import Scheduler
     from workers.actor import LocalGroup, RayGroup, Worker, WorkerSpec
     from workers.tokenizer import Tokenizer
-    from test_scheduler import prep
 
     _, gcs, _ = ray_head
     tiny = make_tiny(tmp_path / "tiny")
     tok = Tokenizer.from_dir(tiny)
-    rng = __import__("numpy").random.default_rng(2)
-    items = [prep(i, rng.integers(5, 500, size=int(rng.integers(2, 20))), max_tokens=6)
+    rng = np.random.default_rng(2)
+    items = [prepared(i, rng.integers(5, 500, size=int(rng.integers(2, 20))), max_tokens=6)
              for i in range(N)]
 
     def generate(group, on_each=lambda results: None):

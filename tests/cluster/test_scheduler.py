@@ -4,7 +4,6 @@ The fake model (scheduler_fakes.py) hashes each slot's full token history, so an
 positions, slots or chunks changes the outputs or raises."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
