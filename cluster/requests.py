@@ -54,8 +54,8 @@ class Result:
     error: str | None = None
     tier: str = ""
     worker: str = ""
-    ttft_s: float | None = None
-    decode_tokens_per_s: float | None = None
+    ttft_s: float | None = None  # slot assigned -> first token sampled (queueing excluded)
+    decode_tokens_per_s: float | None = None  # (tokens - 1) / (last token - first token)
 
     @classmethod
     def failed(cls, bad: InputError, tier: str) -> "Result":
