@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import crash_writer
-from diskdata import FP, same
+from diskdata import FP, encoded, records, same
 from kvstore.coli import ColiKVFile
 from kvstore.disk import ArrowKVFile
+from kvstore.records import KVRecords
 
 CLASSES = {"arrow": ArrowKVFile, "coli": ColiKVFile}
 MAX_BYTES = 24 << 20  # start a fresh file past this, to keep each reload cheap
@@ -92,3 +93,32 @@ def test_sigkill_while_appending(tmp_path, ctx, fmt, tier, kills, max_chunk):
             acked, stats["files"] = 0, stats["files"] + 1
     print(f"{fmt}/{tier}: {kills} kills in {time.monotonic() - t0:.1f} s, {stats}")
     assert stats["max_records"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "coli"])
+def test_rewrite_is_atomic(tmp_path, fmt, monkeypatch):
+    """A crash inside an upgrade/replace rewrite leaves the old file whole; a stale temp
+    file from a killed writer is simply overwritten by the next rewrite."""
+    path = tmp_path / f"c.{fmt}"
+    src, enc = encoded(FP, "kv8", 5, seed=2)
+    f = CLASSES[fmt](path, FP, "f32")
+    f.load()
+    f.append(src)
+    before = path.read_bytes()
+    up = CLASSES[fmt](path, FP, "kv8")
+    assert same(up.load(), enc)  # v1 quantized in memory
+
+    def crash(*_):
+        raise OSError("simulated crash before the rename")
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        up.append(records(FP, "kv8", 2, seed=3))
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # the v1 file is untouched
+    (tmp_path / f"c.{fmt}.tmp").write_bytes(b"garbage left by a SIGKILLed writer")
+    again = CLASSES[fmt](path, FP, "kv8")
+    again.load()
+    more = records(FP, "kv8", 2, seed=3)
+    again.append(more)
+    assert same(CLASSES[fmt](path, FP, "kv8").load(), KVRecords.concat([enc, more]))
+    assert not (tmp_path / f"c.{fmt}.tmp").exists()
