@@ -85,7 +85,17 @@ def _bad_files(tmp_path):
     other_arrow = pa.BufferOutputStream()
     with ipc.new_stream(other_arrow, pa.schema([("x", pa.int32())])) as w:
         w.write_batch(pa.record_batch([pa.array([1], pa.int32())], names=["x"]))
+    from kvstore.disk import make_schema
+    good = make_schema(2, 1, "kv8", FP, 1756)
+    meta = dict(good.metadata)
+    meta[b"kvfleet.fingerprint"] = b'{"n_layers": -3, "kv_lora": 512, "rope": 64, "index_hd": 0, ' \
+                                   b'"n_indexer_layers": 0, "vocab": 1000}'
+    negative = good.with_metadata(meta).serialize().to_pybytes()
+    meta[b"kvfleet.fingerprint"] = b"{not json"
+    garbled = good.with_metadata(meta).serialize().to_pybytes()
     return {
+        "neg.arrow": (negative, "impossible header"),
+        "garbled.arrow": (garbled, "metadata unreadable"),
         "text.txt": (b"just some text\n", "not a KV cache"),
         "empty.arrow": (b"", "not a KV cache"),
         "magic.coli_kv": (hdr(b"COLIKV7\0", 3, 512, 64, 0, 0, 1000, 0, 1), "not a .coli_kv cache"),
