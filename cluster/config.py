@@ -58,6 +58,8 @@ class Workers(_Frozen):
     label_selector: dict[str, str] = Field(default_factory=dict)  # e.g. {"kind": "cpu"}
     runtime: Literal["ray", "inprocess"] = "ray"  # inprocess: no Ray at all (tests, bench)
     ray_num_cpus: int | None = Field(None, ge=1)  # CPUs of a local Ray started by the job
+    # sharded: each worker holds a shard of the routed experts (cluster/ep_group.py)
+    experts: Literal["replicated", "sharded"] = "replicated"
 
 
 class JobConfig(_Frozen):

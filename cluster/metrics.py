@@ -7,6 +7,12 @@
     kvfleet_active_slots              Gauge      sequences holding a slot
     kvfleet_kv_bytes_in_use           Gauge      tags tier, device (the worker)
     kvfleet_fallbacks                 Counter    tag path (a native path that fell back)
+    kvfleet_expert_pins               Gauge      tag device: routed experts the worker holds
+    kvfleet_expert_hit_rate           Gauge      tag device: share of its routed picks served
+                                                 by its own shard (workers/expert_shard.py)
+    kvfleet_worker_deaths             Counter    workers found dead during the job
+    kvfleet_experts_moved             Counter    routed experts re-assigned after deaths
+    kvfleet_requests_requeued         Counter    sequences re-run because their worker died
 
 Without Ray (in-process runs, tests) the same calls update `JobMetrics.local`, a plain
 dict that tests read; with `enabled=False` they do nothing.
@@ -41,6 +47,13 @@ class JobMetrics:
                               tag_keys=("tier", "device")),
                 "fallbacks": m.Counter("kvfleet_fallbacks", "native paths that fell back",
                                        tag_keys=("path",)),
+                "pins": m.Gauge("kvfleet_expert_pins", "routed experts held by the worker",
+                                tag_keys=("device",)),
+                "hit": m.Gauge("kvfleet_expert_hit_rate", "share of routed picks served locally",
+                               tag_keys=("device",)),
+                "deaths": m.Counter("kvfleet_worker_deaths", "workers found dead"),
+                "moved": m.Counter("kvfleet_experts_moved", "experts re-assigned after deaths"),
+                "requeued": m.Counter("kvfleet_requests_requeued", "sequences re-run elsewhere"),
             }
 
     def queue(self, waiting: int, active: int) -> None:
@@ -84,3 +97,32 @@ class JobMetrics:
         self.local[f"fallbacks[{path}]"] += n
         if self._ray:
             self._ray["fallbacks"].inc(n, tags={"path": path})
+
+    def expert_stats(self, device: str, pins: int, hit_rate: float | None) -> None:
+        if not self.enabled:
+            return
+        self.local[f"expert_pins[{device}]"] = pins
+        if hit_rate is not None:
+            self.local[f"expert_hit_rate[{device}]"] = hit_rate
+        if self._ray:
+            self._ray["pins"].set(pins, tags={"device": device})
+            if hit_rate is not None:
+                self._ray["hit"].set(hit_rate, tags={"device": device})
+
+    def worker_died(self, requeued: int) -> None:
+        """A worker found dead; `requeued` of its sequences go back to the queue."""
+        if not self.enabled:
+            return
+        self.local["worker_deaths"] += 1
+        self.local["requests_requeued"] += requeued
+        if self._ray:
+            self._ray["deaths"].inc(1)
+            if requeued:
+                self._ray["requeued"].inc(requeued)
+
+    def experts_moved(self, n: int) -> None:
+        if not self.enabled or n <= 0:
+            return
+        self.local["experts_moved"] += n
+        if self._ray:
+            self._ray["moved"].inc(n)

@@ -1,8 +1,8 @@
 """The central scheduler: continuous batching over a group of workers, in lockstep steps.
 
 One iteration of `Scheduler.run`:
-  1. admit waiting requests while any worker has a free slot (the worker with the most free
-     slots takes the next request);
+  1. admit waiting requests while any worker has a free slot (the worker with the largest
+     free share of its capacity takes the next one, so slots fill in proportion);
   2. build one flat token batch per worker: one decode token for every sequence past its
      prompt, then prompt chunks of the sequences still prefilling (at most `prefill_chunk`
      prompt tokens per worker and step);
@@ -67,6 +67,9 @@ class SchedulerStats:
     decode_forward_s: float = 0.0
     decode_driver_s: float = 0.0  # the scheduler's own Python: admission, batches, results
     decode_tokens: int = 0
+    worker_deaths: int = 0  # workers found dead (the soak's "kills")
+    recoveries: int = 0  # deaths after which the job went on with live workers
+    requeued: int = 0  # sequences re-run from their prompts after their worker died
 
     @property
     def overhead_per_decode_step_s(self) -> float:
@@ -136,8 +139,12 @@ class Scheduler:
             if self.group.is_dead(w, exc):
                 self._dead.add(w)
                 self._release[w] = []
-                log.warning("worker %s died (%s); re-queueing its %d sequences",
-                            self.group.names[w], exc, len(mine))
+                log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
+                            self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
+                self.stats.worker_deaths += 1
+                self.stats.recoveries += len(self._dead) < len(self.group.names)
+                self.stats.requeued += len(mine)
+                self.metrics.worker_died(len(mine))
                 for s in reversed(mine):
                     waiting.appendleft(s.item)
             else:
@@ -160,8 +167,10 @@ class Scheduler:
             used[s.worker] += 1
         free = np.asarray(self.group.capacities) - used
         free[list(self._dead)] = 0
+        cap = np.maximum(np.asarray(self.group.capacities), 1)
         while waiting and free.max() > 0:
-            w = int(np.argmax(free))  # most free slots; ties -> lowest index
+            # in proportion to capacity: the largest free share, then most free, lowest index
+            w = int(np.lexsort((np.arange(len(free)), -free, -free / cap))[0])
             active.append(_Seq(self._next_key, waiting.popleft(), w, self.clock()))
             self._next_key += 1
             free[w] -= 1

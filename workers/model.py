@@ -27,7 +27,7 @@ class Layer:
     def __init__(self, cfg: ModelConfig, i: int, p: dict[str, np.ndarray], rope: Rope):
         self.i, self.cfg, self.p = i, cfg, p
         self.attn = MLA(cfg, p, rope)
-        self.moe = MoE(cfg, p) if cfg.is_moe_layer(i) else None
+        self.moe = MoE(cfg, p, i) if cfg.is_moe_layer(i) else None
 
     def __call__(self, x, slots, positions, pool, cos, sin):
         eps = self.cfg.rms_norm_eps
@@ -50,6 +50,12 @@ class Model:
             pre = f"layers.{i}."
             p = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
             self.layers.append(Layer(cfg, i, p, self.rope))
+
+    def set_experts(self, experts) -> None:
+        """Route every MoE layer's experts through `experts` (see workers.moe.MoE)."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.experts = experts
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Model":

@@ -59,25 +59,41 @@ def route(cfg: ModelConfig, logits: np.ndarray, bias: np.ndarray | None) -> tupl
     return idx, (w * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
 
 
+def expert_sum(x: np.ndarray, idx: np.ndarray, w: np.ndarray, gate: np.ndarray, up: np.ndarray,
+               down: np.ndarray) -> np.ndarray:
+    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, hidden]; idx [N, k] are rows of the
+    stacked gate/up [E, I, hidden] and down [E, hidden, I]; picks with idx < 0 are skipped."""
+    out = np.zeros_like(x)
+    # Group the (token, pick) pairs by expert: one matmul per expert that has tokens.
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    order = order[flat[order] >= 0]
+    experts, starts = np.unique(flat[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    k = idx.shape[1]
+    for e, a, b in zip(experts, starts, ends):
+        pick = order[a:b]
+        tok = pick // k  # each token picks an expert at most once: no repeated rows
+        out[tok] += gated_mlp(x[tok], gate[e], up[e], down[e]) * w.reshape(-1)[pick, None]
+    return out
+
+
 class MoE:
-    def __init__(self, cfg: ModelConfig, p: dict[str, np.ndarray]):
-        self.cfg, self.p = cfg, p
+    """`experts` is the one injection point for expert parallelism: an object with
+    `apply(layer, x [N, hidden], idx [N, k] expert ids, w [N, k]) -> [N, hidden]` that returns
+    the weighted sum of the routed experts (workers/expert_shard.py computes its own shard
+    and sends the rest away). None = every routed expert is in `p` and computed here."""
+
+    def __init__(self, cfg: ModelConfig, p: dict[str, np.ndarray], layer: int = -1, experts=None):
+        self.cfg, self.p, self.layer, self.experts = cfg, p, layer, experts
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         p = self.p
         idx, w = route(self.cfg, x @ p["router"].T, p.get("router_bias"))
-        out = np.zeros_like(x)
-        # Group the (token, pick) pairs by expert: one matmul per expert that has tokens.
-        flat = idx.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
-        ends = np.append(starts[1:], len(order))
-        k = idx.shape[1]
-        for e, a, b in zip(experts, starts, ends):
-            pick = order[a:b]
-            tok = pick // k  # each token picks an expert at most once: no repeated rows
-            y = gated_mlp(x[tok], p["experts.gate"][e], p["experts.up"][e], p["experts.down"][e])
-            out[tok] += y * w.reshape(-1)[pick, None]
+        if self.experts is not None:
+            out = self.experts.apply(self.layer, x, idx, w)
+        else:
+            out = expert_sum(x, idx, w, p["experts.gate"], p["experts.up"], p["experts.down"])
         if "shared.gate" in p:
             out += gated_mlp(x, p["shared.gate"], p["shared.up"], p["shared.down"])
         return out

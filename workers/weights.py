@@ -137,8 +137,13 @@ def open_checkpoint(model_dir: str | Path) -> dict[str, TensorRef]:
     return refs
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Check every tensor's presence and shape against the name table, then read them as f32."""
+def load_params(model_dir: str | Path, cfg: ModelConfig,
+                experts: dict[int, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Check every tensor's presence and shape against the name table, then read them as f32.
+
+    experts: {MoE layer: routed expert ids} = read only those experts (an expert-parallel
+    shard): `layers.{i}.experts.*` then stack the listed ids in that order, [len(ids), ...];
+    the others are checked but never read. None = every expert."""
     refs = open_checkpoint(model_dir)
     table = name_table(cfg)
     ignored: dict[str, int] = {}
@@ -161,13 +166,20 @@ def load_params(model_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray
         if ref.shape != slot.shape:
             raise WeightsError(f"{ref.file}: tensor {name!r} has shape {list(ref.shape)}, "
                                f"expected {list(slot.shape)} from {cfg.source}")
+    rows = None if experts is None else {  # layer -> {expert id: row in the shard's stack}
+        int(i): {int(j): r for r, j in enumerate(np.asarray(ids).tolist())} for i, ids in experts.items()}
     params: dict[str, np.ndarray] = {}
     for name, slot in table.items():
-        x = refs[name].read()
         if slot.index is None:
-            params[slot.param] = x
+            params[slot.param] = refs[name].read()
             continue
+        row, stack = slot.index, slot.stack
+        if rows is not None:
+            mine = rows.get(int(slot.param.split(".")[1]), {})
+            if slot.index not in mine:
+                continue
+            row, stack = mine[slot.index], len(mine)
         if slot.param not in params:
-            params[slot.param] = np.empty((slot.stack, *slot.shape), np.float32)
-        params[slot.param][slot.index] = x
+            params[slot.param] = np.empty((stack, *slot.shape), np.float32)
+        params[slot.param][row] = refs[name].read()
     return params

@@ -87,11 +87,12 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     stats = SchedulerStats()
     if items:
         group, close = _start_workers(cfg)
-        try:
+        try:  # a group that keeps metrics (cluster/ep_group.py) shares them
             sched = Scheduler(group, max_context=cfg.max_context,
                               prefill_chunk=cfg.prefill_chunk, eos_ids=_eos(tok, mcfg),
                               decode=tok.decode, tier=cfg.kv,
-                              metrics=JobMetrics(use_ray=cfg.workers.runtime == "ray"))
+                              metrics=getattr(group, "metrics", None)
+                              or JobMetrics(use_ray=cfg.workers.runtime == "ray"))
             stats = sched.run(items, emit)
         finally:
             store.flush()
@@ -170,6 +171,9 @@ def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
 
 
 def _start_workers(cfg: JobConfig):
+    if cfg.workers.experts == "sharded" or (cfg.workers.fleet and cfg.workers.runtime == "ray"):
+        from cluster.ep_group import start_group  # expert parallel / heterogeneous fleet
+        return start_group(cfg)
     placements = worker_placements(cfg)
     if cfg.workers.runtime == "inprocess":
         return LocalGroup([Worker(spec) for spec, _ in placements]), lambda: None

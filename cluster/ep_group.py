@@ -1,0 +1,313 @@
+"""The expert-parallel worker group: one ShardedWorker actor per fleet device, each with the
+dense weights, its share of the KV slots and a shard of the routed experts; lockstep steps;
+recovery when a worker dies.
+
+Placement (`fleet_placements`): a device of kind K asks Ray for its node's `resources`
+(split over the node's devices) or, when the fleet gives none, `{"kvfleet_<K>": 1}`, plus
+the node's `labels` as a label selector; a cuda device adds num_gpus=1 only together with
+those (Ray also counts Apple GPUs as GPUs). Expert split: cluster.planner.split_experts over
+each device's room for experts in the budget plan (free + pinned bytes), so every routed
+expert has exactly one owner, most room first.
+
+A step (`step_all`) submits every worker's batch at once. When some fail, the group pings
+every live worker (`alive`, served in the experts concurrency group even mid-step) to see
+who is gone. For each dead worker: its experts go to the survivors with the most room left
+(`reassign`: they read just those tensors from the checkpoint), its capacity drops to 0, and
+its step (if it had one) is reported as dead, so the scheduler re-queues its sequences
+(their KV died with it: they re-prefill from the prompt). A survivor whose step failed part
+way (a peer vanished under it) reruns the very same batch: it rewrites the same KV
+positions (KVPool.write overwrites rows and keeps the longest length), its slots are
+already mapped, sampling is stateless per (seed, token index), so the rerun gives the same
+tokens. Failures where nobody died go back to the scheduler as they are.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cluster.config import JobConfig, JobConfigError
+from cluster.metrics import JobMetrics
+from workers.actor import StepBatch, StepOutput, WorkerSpec
+from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDied(RuntimeError):
+    """The step result of a worker found dead (the scheduler re-queues its sequences)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    spec: WorkerSpec
+    kind: str  # cuda | cpu | metal
+    options: dict[str, Any]  # Ray actor options
+    expert_room: int  # bytes this worker may fill with routed experts (split weights)
+
+
+def fleet_placements(cfg: JobConfig) -> list[Placement]:
+    """One Placement per fleet device, or `workers.count` alike cpu workers without a fleet."""
+    from cluster.footprint import Footprint
+    w = cfg.workers
+    if w.fleet is None:
+        opts = _options("cpu", w.num_cpus, w.resources, w.label_selector)
+        return [Placement(_spec(cfg, f"worker{i}", cfg.slots), "cpu", opts, 1)
+                for i in range(w.count)]
+    from cluster.fleet import Fleet, FleetError, device_budgets
+    from cluster.memory_probe import free_bytes
+    from cluster.planner import PlanError, plan
+    try:
+        fleet = Fleet.from_file(w.fleet)
+        budgets = device_budgets(fleet, free_bytes)  # "auto": measured on this machine
+        p = plan(Footprint.from_file(cfg.model), budgets, tier=cfg.kv, ctx=cfg.max_context,
+                 experts=fleet.plan.experts)
+    except (FleetError, PlanError) as e:
+        raise JobConfigError(f"workers.fleet: {e}") from None
+    out = []
+    for dev, dp in zip(fleet.devices(), p.devices):
+        n = dev.node
+        res = {k: v / n.devices for k, v in n.resources.items()}
+        out.append(Placement(_spec(cfg, dev.name, n.slots), n.kind,
+                             _options(n.kind, w.num_cpus, res, n.labels),
+                             max(dp.free_bytes + dp.pinned_bytes, 1)))
+    return out
+
+
+def _options(kind: str, num_cpus: float, resources: dict[str, float],
+             labels: dict[str, str]) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": num_cpus,
+                            "resources": dict(resources) or {f"kvfleet_{kind}": 1.0}}
+    if labels:
+        opts["label_selector"] = dict(labels)
+    if kind == "cuda":
+        opts["num_gpus"] = 1
+    return opts
+
+
+def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
+    return WorkerSpec(name=name, model=cfg.model_ref(), tier=cfg.kv, slots=slots,
+                      max_context=cfg.max_context, block_size=cfg.block_size)
+
+
+def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[dict], int]:
+    """Per worker its owner table {MoE layer: int32[E] owner rank}, and the bytes of one
+    expert. Replicated: every worker owns every expert (its own rank everywhere)."""
+    from cluster.footprint import Footprint
+    from cluster.planner import split_experts
+    fp = Footprint.from_file(cfg.model)
+    E, layers = fp.config.n_routed_experts, [l for l in fp.moe_layers if l < fp.config.num_hidden_layers]
+    eb = fp.expert_bytes("bf16")
+    if not sharded:
+        return [{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))], eb
+    a = split_experts(fp, rooms, "bf16")
+    owners = {l: np.full(E, -1, np.int32) for l in layers}
+    for (l, e), o in zip(a.experts.tolist(), a.owner.tolist()):
+        if l in owners:  # MTP layers are not run
+            owners[l][e] = o
+    return [owners] * len(rooms), eb
+
+
+class ShardedGroup:
+    """WorkerGroup (workers/actor.py) of ShardedWorker actors; see the module docstring."""
+
+    def __init__(self, cfg: JobConfig, placements: list[Placement], sharded: bool = True,
+                 metrics: JobMetrics | None = None, start_timeout_s: float = 600.0,
+                 stats_every_s: float = 5.0):
+        import ray
+        from workers.ep_worker import ShardedWorker
+        self.sharded = sharded
+        self.metrics = metrics or JobMetrics()  # Ray metrics (Ray is up by now)
+        self.names = [p.spec.name for p in placements]
+        self.capacities = [p.spec.slots for p in placements]
+        self.kinds = [p.kind for p in placements]
+        self.room = [p.expert_room for p in placements]
+        self.owners, self.expert_bytes = split_owners(cfg, self.room, sharded)
+        self.dead: set[int] = set()
+        self.deaths = self.recoveries = self.experts_moved = 0
+        self.stats_every_s, self._stats_t = stats_every_s, 0.0
+        tag = uuid.uuid4().hex[:6]
+        cls = ray.remote(ShardedWorker)
+        self.actors = [cls.options(name=f"kvfleet-{tag}-{p.spec.name}",
+                                   concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS},
+                                   **p.options).remote(p.spec, p.kind, r, self.owners[r])
+                       for r, p in enumerate(placements)]
+        try:  # waits for the model loads; an actor no node can host never starts
+            self.info = ray.get([a.info.remote() for a in self.actors], timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise RuntimeError(f"worker actors did not start within {start_timeout_s:.0f}s; does "
+                               f"a node offer what they ask for? {[p.options for p in placements]}") from None
+        if sharded:
+            peers = dict(enumerate(self.actors))
+            ray.get([a.connect.remote(peers) for a in self.actors])
+        for i in self.info:
+            log.info("worker %s: %s on %s pid %s, %d slots, %d routed experts", i["name"],
+                     i["device"], i["host"], i["pid"], i["slots"], i["experts"])
+
+    # -- steps ----------------------------------------------------------------------------
+    def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
+        out: dict[int, StepOutput | Exception] = {}
+        pending = {i: b for i, b in batches.items() if i not in self.dead}
+        for i in set(batches) - set(pending):
+            out[i] = WorkerDied(f"worker {self.names[i]} is dead")
+        for _ in range(len(self.actors)):
+            results = self._run(pending)
+            failed = {i: r for i, r in results.items() if isinstance(r, BaseException)}
+            out.update({i: r for i, r in results.items() if i not in failed})
+            if not failed:
+                break
+            dead = self._find_dead()
+            if not dead:
+                out.update(failed)  # real step errors: the scheduler fails those sequences
+                break
+            self._recover(dead)
+            for i in dead:
+                out[i] = WorkerDied(f"worker {self.names[i]} died: {failed.get(i, 'found dead')}")
+            pending = {i: batches[i] for i in failed if i not in self.dead}
+            if pending:
+                log.warning("re-running the step on %s (their step failed part way)",
+                            [self.names[i] for i in pending])
+        self._maybe_stats()
+        return out
+
+    def _run(self, batches: dict[int, StepBatch]) -> dict[int, Any]:
+        import ray
+        refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
+        out: dict[int, Any] = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                out[i] = e
+        return out
+
+    def is_dead(self, worker: int, exc: BaseException) -> bool:
+        return worker in self.dead
+
+    # -- failures -------------------------------------------------------------------------
+    def _find_dead(self, timeout_s: float = 30.0) -> list[int]:
+        """Ping every live worker in its experts group (answers even mid-step)."""
+        import ray
+        live = [i for i in range(len(self.actors)) if i not in self.dead]
+        refs = {i: self.actors[i].alive.options(concurrency_group=EXPERT_GROUP).remote() for i in live}
+        dead = []
+        deadline = time.monotonic() + timeout_s
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                log.error("worker %s is gone: %s", self.names[i], type(e).__name__)
+                ray.kill(self.actors[i], no_restart=True)  # a hung one must not come back
+                dead.append(i)
+        return dead
+
+    def _recover(self, dead: list[int]) -> None:
+        import ray
+        self.dead.update(dead)
+        self.deaths += len(dead)
+        for i in dead:
+            self.capacities[i] = 0
+        live = [i for i in range(len(self.actors)) if i not in self.dead]
+        names = [self.names[i] for i in dead]
+        if not live:
+            log.error("workers %s died and none is left", names)
+            return
+        moved = self._move_experts(dead, live) if self.sharded else {}
+        try:
+            ray.get([self.actors[i].reassign.remote(self.owners[i], tuple(dead)) for i in live])
+        except ray.exceptions.RayError as e:  # another one died meanwhile: next round finds it
+            log.error("reassigning experts failed: %s", e)
+        n = sum(len(v) for v in moved.values())
+        self.experts_moved += n
+        self.recoveries += 1
+        self.metrics.experts_moved(n)
+        log.warning("workers %s died; %d of their routed experts moved to %s", names, n,
+                    {self.names[w]: len(v) for w, v in moved.items()})
+
+    def _move_experts(self, dead: list[int], live: list[int]) -> dict[int, list]:
+        """Orphaned experts to the survivors with the most expert room left."""
+        from cluster.planner import assign_experts
+        owners = self.owners[0]
+        orphans = np.array([(l, e) for l, o in owners.items() for e in np.flatnonzero(np.isin(o, dead))],
+                           np.int32).reshape(-1, 2)
+        if not len(orphans):
+            return {}
+        held = {i: sum(int((o == i).sum()) for o in owners.values()) for i in live}
+        rooms = [self.room[i] - held[i] * self.expert_bytes for i in live]
+        a = assign_experts(rooms, self.expert_bytes, orphans)
+        new = {l: o.copy() for l, o in owners.items()}
+        moved: dict[int, list] = {}
+        for (l, e), k in zip(orphans.tolist(), a.owner.tolist()):
+            new[l][e] = live[k]
+            moved.setdefault(live[k], []).append((l, e))
+        self.owners = [new] * len(self.actors)
+        return moved
+
+    # -- stats ----------------------------------------------------------------------------
+    def worker_stats(self) -> list[dict]:
+        """ShardedWorker.stats() of every live worker."""
+        import ray
+        live = [i for i in range(len(self.actors)) if i not in self.dead]
+        return ray.get([self.actors[i].stats.remote() for i in live])
+
+    def _maybe_stats(self) -> None:
+        now = time.monotonic()
+        if not self.metrics.enabled or now - self._stats_t < self.stats_every_s:
+            return
+        self._stats_t = now
+        import ray
+        try:
+            stats = self.worker_stats()
+        except ray.exceptions.RayError as e:  # a death shows up at the next step
+            log.warning("worker stats unavailable: %s", e)
+            return
+        for s in stats:
+            self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"])
+
+    def close(self) -> None:
+        import ray
+        try:
+            for s in self.worker_stats():
+                log.info("worker %s (%s): %d experts held, hit rate %s, %d picks served for "
+                         "peers, rss %.0f MB", s["name"], s["device"], s["expert_pins"],
+                         "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
+                         s["served_picks"], s["rss_bytes"] / 1e6)
+                self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"])
+        except ray.exceptions.RayError as e:
+            log.warning("final worker stats unavailable: %s", e)
+        for a in self.actors:
+            ray.kill(a)
+
+
+def start_group(cfg: JobConfig):
+    """(group, close) for the generate job: ShardedGroup on Ray, or ShardedWorkers in this
+    process over LocalTransport (`workers.runtime: inprocess`; nothing can die there)."""
+    placements = fleet_placements(cfg)
+    sharded = cfg.workers.experts == "sharded"
+    if cfg.workers.runtime == "inprocess":
+        return local_group(cfg, placements, sharded), lambda: None
+    import ray
+    from cluster.jobs.generate import connect_ray
+    started = connect_ray(cfg, [(p.spec, p.options) for p in placements])
+    group = ShardedGroup(cfg, placements, sharded)
+
+    def close() -> None:
+        group.close()
+        if started:
+            ray.shutdown()
+    return group, close
+
+
+def local_group(cfg: JobConfig, placements: list[Placement], sharded: bool = True):
+    from workers.actor import LocalGroup
+    from workers.ep_worker import ShardedWorker
+    owners, _ = split_owners(cfg, [p.expert_room for p in placements], sharded)
+    workers = [ShardedWorker(p.spec, p.kind, r, owners[r]) for r, p in enumerate(placements)]
+    for w in workers:
+        w.connect(dict(enumerate(workers)), transport="local")
+    return LocalGroup(workers)

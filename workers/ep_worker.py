@@ -1,0 +1,131 @@
+"""The expert-parallel worker: a Worker (workers/actor.py: dense weights, its KV slots, one
+`step` per scheduler step) that holds only its shard of the routed experts and serves its
+peers' picks of them.
+
+As a Ray actor it is threaded: `step` (and the other control calls) run one at a time in
+the default concurrency group, `run_experts` and `alive` in the "experts" group, so a
+worker blocked in its own step waiting for a peer still answers that peer (no deadlock,
+whatever the two are doing), and a worker with no sequences in a step still serves.
+
+Kinds: `metal` runs the MLX model (workers.mlx_model.load_metal; the MLX CPU backend off
+Apple silicon), `cpu` and `cuda` the numpy model (there is no CUDA model yet: a cuda
+worker is placed on its node by resources but computes on the host). Routed experts are
+always computed on the host with numpy, on every kind, so peer calls never touch the MLX
+stream of the step thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+from typing import Any
+
+import numpy as np
+
+from workers.actor import Worker, WorkerSpec
+from workers.expert_shard import ShardedExperts, read_experts, take_shard
+
+log = logging.getLogger(__name__)
+
+EXPERT_GROUP = "experts"  # the Ray concurrency group of run_experts and alive
+EXPERT_CALL_THREADS = 16  # its threads: concurrent peer calls served (>= peers - 1 suffices)
+
+
+class ShardedWorker(Worker):
+    def __init__(self, spec: WorkerSpec, kind: str, rank: int, owners: dict[int, np.ndarray]):
+        from cluster.config import resolve_model
+        from workers.config import ModelConfig
+        self.kind, self.rank = kind, rank
+        self.model_dir = resolve_model(spec.model)
+        self.cfg = ModelConfig.from_file(self.model_dir / "config.json")
+        mine = {int(l): np.flatnonzero(np.asarray(o) == rank) for l, o in owners.items()}
+        pool = None
+        if kind == "metal":
+            from workers.mlx_model import load_metal
+            model, pool = load_metal(self.model_dir, spec.tier, spec.slots, spec.max_context,
+                                     spec.block_size, experts=mine)
+        else:
+            from workers.model import Model
+            from workers.weights import load_params
+            model = Model(self.cfg, load_params(self.model_dir, self.cfg, experts=mine))
+        self.experts = ShardedExperts(rank, owners, take_shard(model, self.cfg, mine))
+        model.set_experts(self.experts)
+        super().__init__(spec, model=model, pool=pool)
+        log.info("%s (%s, rank %d): %d routed experts of %d loaded", spec.name, kind, rank,
+                 self.experts.shard.count(), sum(len(o) for o in owners.values()))
+
+    def info(self) -> dict:
+        import ray
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return dict(super().info(), device=self.kind, rank=self.rank, node_id=node,
+                    experts=self.experts.shard.count())
+
+    def connect(self, peers: dict[int, Any], transport: str = "ray") -> None:
+        """Peers by rank: Ray actor handles (transport "ray") or workers in this process
+        ("local"). Called once by the group before the first step."""
+        from workers.transport import LocalTransport, RayTransport
+        peers = {int(r): p for r, p in peers.items() if int(r) != self.rank}
+        self.experts.transport = (RayTransport(peers, group=EXPERT_GROUP) if transport == "ray"
+                                  else LocalTransport(peers))
+
+    def run_experts(self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return self.experts.serve(layer, x, idx, w)
+
+    def alive(self) -> int:
+        return self.rank
+
+    def reassign(self, owners: dict[int, np.ndarray], drop_peers: tuple[int, ...] = ()) -> dict:
+        """Take the new ownership table: read the experts newly ours from the checkpoint
+        (by name; nothing else is read) and forget dead peers. Returns {layer: ids loaded}."""
+        new = {}
+        for l, o in owners.items():
+            want = np.flatnonzero(np.asarray(o) == self.rank)
+            gained = np.setdiff1d(want, self.experts.shard.ids(int(l)))
+            if gained.size:
+                new[int(l)] = gained
+        for l, (g, u, d) in read_experts(self.model_dir, self.cfg, new).items():
+            self.experts.shard.add(l, new[l], g, u, d)
+        self.experts.set_owners(owners)
+        t = self.experts.transport
+        for r in drop_peers:
+            if t is not None:
+                t.peers.pop(int(r), None)
+        if new:
+            log.info("%s: took over %d experts %s", self.spec.name,
+                     sum(len(v) for v in new.values()), {l: v.tolist() for l, v in new.items()})
+        return {l: v.tolist() for l, v in new.items()}
+
+    def stats(self) -> dict:
+        """Expert counters (workers/expert_shard.py defines the hit rate), memory figures."""
+        return dict(self.experts.counters(), name=self.spec.name, device=self.kind,
+                    rss_bytes=rss_bytes(), device_mem_bytes=device_mem_bytes(self.kind))
+
+
+def rss_bytes() -> int:
+    """Resident set of this process (Linux: /proc/self/statm; elsewhere the peak RSS)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def device_mem_bytes(kind: str) -> int | None:
+    """Bytes in use on the worker's device: MLX's active memory on metal, the CUDA device's
+    used memory where CuPy sees one, the RSS on cpu (host memory is its device)."""
+    if kind == "metal":
+        import mlx.core as mx
+        return int(mx.get_active_memory())
+    if kind == "cuda":
+        import importlib.util
+        if importlib.util.find_spec("cupy") is None:
+            return None
+        import cupy
+        try:
+            free, total = cupy.cuda.runtime.memGetInfo()
+        except cupy.cuda.runtime.CUDARuntimeError:  # a cuda-labelled node without a GPU
+            return None
+        return int(total - free)
+    return rss_bytes()
