@@ -3,7 +3,7 @@
 //
 // Compile-time parameters (-D): TIER 0 f32 / 1 kv8 / 2 tq4; MT = m-tiles of 16 heads per CTA
 // (1..4, so up to 64 heads share one pass over the cache); BT = tokens per tile; DL, DR =
-// latent and rope widths (DL % 64 == 0, DR % 16 == 0); NSTAGE = raw tiles in flight (1 to
+// latent and rope widths (DL % 128 == 0, DR % 16 == 0); NSTAGE = raw tiles in flight (1 to
 // 3, as shared memory allows); SKIP (timing only, results wrong) leaves stages out:
 // 1 the f16 conversion, 2 the score products, 4 the context products, 8 the loads.
 //
@@ -572,27 +572,60 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
 
 // out[n, h, :] = sum_s o_part[s] 2^(m_s - M) / sum_s l_s 2^(m_s - M) over the work items
 // [splits[n], splits[n+1]) of query n (zero when it has none); tq4 unrotates the result.
-// grid (N, H), block 128.
+// grid (N, H), block 128. The split weights are computed once per split (in shared memory,
+// CW at a time), then every thread streams its dims of each split's partial context.
+#define CW 128
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads();  // red may still be read from a previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[0];
+    for (int i = 1; i < 4; ++i) v = is_max ? fmaxf(v, red[i]) : v + red[i];
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
              const int* __restrict__ splits, float* __restrict__ out, int H, int Hpad) {
     __shared__ float buf[DL];
+    __shared__ float wts[CW];
+    __shared__ float red[4];
     const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int ws = splits[n], we = splits[n + 1];
     float M = NEG_INF;
-    for (int s = ws; s < we; ++s) M = fmaxf(M, ml_part[((size_t)s * Hpad + h) * 2]);
+    for (int s = ws + tid; s < we; s += 128) M = fmaxf(M, ml_part[((size_t)s * Hpad + h) * 2]);
+    M = block_reduce(M, red, true);
     float L = 0.0f;
-    for (int s = ws; s < we; ++s) {
-        const float* ml = ml_part + ((size_t)s * Hpad + h) * 2;
-        L += M == NEG_INF ? 0.0f : ml[1] * exp2f(ml[0] - M);
-    }
+    if (M != NEG_INF)
+        for (int s = ws + tid; s < we; s += 128) {
+            const float* ml = ml_part + ((size_t)s * Hpad + h) * 2;
+            L += ml[1] * exp2f(ml[0] - M);
+        }
+    L = block_reduce(L, red, false);
     const float invL = L > 0.0f ? 1.0f / L : 0.0f;
-    for (int d = tid; d < DL; d += 128) {
-        float acc = 0.0f;
-        for (int s = ws; s < we; ++s)
-            acc += M == NEG_INF ? 0.0f : o_part[((size_t)s * Hpad + h) * DL + d] * exp2f(ml_part[((size_t)s * Hpad + h) * 2] - M);
-        buf[d] = acc * invL;
+    float acc[DL / 128];
+#pragma unroll
+    for (int k = 0; k < DL / 128; ++k) acc[k] = 0.0f;
+    for (int s0 = ws; s0 < we; s0 += CW) {
+        const int cnt = min(CW, we - s0);
+        __syncthreads();  // wts of the previous chunk are consumed
+        if (tid < cnt)
+            wts[tid] = M == NEG_INF ? 0.0f : exp2f(ml_part[((size_t)(s0 + tid) * Hpad + h) * 2] - M) * invL;
+        __syncthreads();
+#pragma unroll 4
+        for (int j = 0; j < cnt; ++j) {
+            const float* src = o_part + ((size_t)(s0 + j) * Hpad + h) * DL;
+            const float w = wts[j];
+#pragma unroll
+            for (int k = 0; k < DL / 128; ++k) acc[k] += src[tid + 128 * k] * w;
+        }
     }
+#pragma unroll
+    for (int k = 0; k < DL / 128; ++k) buf[tid + 128 * k] = acc[k];
 #if TIER == 2
     butterfly(buf, DL, 128);
     const float il = 1.0f / sqrtf((float)DL);

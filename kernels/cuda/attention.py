@@ -37,7 +37,7 @@ MIN_CHUNK = 256  # tokens; shorter chunks cost more in partial contexts than the
 def has_kernel(tier: Tier | str, kv_lora: int, rope: int) -> bool:
     """True when attn_split covers this tier and these widths (else use the CPU path)."""
     tier = get_tier(tier)
-    if tier.kind not in _TIER_ID or kv_lora % 64 or rope % 16 or kv_lora <= 0 or rope <= 0:
+    if tier.kind not in _TIER_ID or kv_lora % 128 or rope % 16 or kv_lora <= 0 or rope <= 0:
         return False
     return tier.kind != "tq" or (rotatable(kv_lora) and rotatable(rope))
 
