@@ -131,9 +131,8 @@ class ShardedGroup:
         self.deaths = self.recoveries = self.experts_moved = 0
         self.stats_every_s, self._stats_t = stats_every_s, 0.0
         tag = uuid.uuid4().hex[:6]
-        cls = ray.remote(ShardedWorker)
-        self.actors = [cls.options(name=f"kvfleet-{tag}-{p.spec.name}",
-                                   concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS},
+        cls = ray.remote(concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS})(ShardedWorker)
+        self.actors = [cls.options(name=f"kvfleet-{tag}-{p.spec.name.replace('/', '.')}",
                                    **p.options).remote(p.spec, p.kind, r, self.owners[r])
                        for r, p in enumerate(placements)]
         try:  # waits for the model loads; an actor no node can host never starts

@@ -19,11 +19,12 @@ import logging
 import os
 import resource
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from workers.actor import Worker, WorkerSpec
+from workers.actor import StepBatch, StepOutput, Worker, WorkerSpec
 from workers.expert_shard import ShardedExperts, read_experts, take_shard
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,14 @@ class ShardedWorker(Worker):
         self.cfg = ModelConfig.from_file(self.model_dir / "config.json")
         mine = {int(l): np.flatnonzero(np.asarray(o) == rank) for l, o in owners.items()}
         pool = None
+        # MLX streams belong to the thread that made them, and a threaded actor runs calls on
+        # pool threads: a metal worker loads and steps its model on one thread of its own.
+        self._mlx_thread = ThreadPoolExecutor(1, "mlx") if kind == "metal" else None
         if kind == "metal":
             from workers.mlx_model import load_metal
-            model, pool = load_metal(self.model_dir, spec.tier, spec.slots, spec.max_context,
-                                     spec.block_size, experts=mine)
+            model, pool = self._mlx_thread.submit(
+                load_metal, self.model_dir, spec.tier, spec.slots, spec.max_context,
+                spec.block_size, experts=mine).result()
         else:
             from workers.model import Model
             from workers.weights import load_params
@@ -68,6 +73,15 @@ class ShardedWorker(Worker):
         peers = {int(r): p for r, p in peers.items() if int(r) != self.rank}
         self.experts.transport = (RayTransport(peers, group=EXPERT_GROUP) if transport == "ray"
                                   else LocalTransport(peers))
+
+    def on_model_thread(self, fn, *args, **kw):
+        """fn(*args, **kw) on the thread that owns the model's arrays (MLX), else here."""
+        if self._mlx_thread is None:
+            return fn(*args, **kw)
+        return self._mlx_thread.submit(fn, *args, **kw).result()
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        return self.on_model_thread(super().step, batch)
 
     def run_experts(self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
         return self.experts.serve(layer, x, idx, w)
@@ -99,7 +113,8 @@ class ShardedWorker(Worker):
     def stats(self) -> dict:
         """Expert counters (workers/expert_shard.py defines the hit rate), memory figures."""
         return dict(self.experts.counters(), name=self.spec.name, device=self.kind,
-                    rss_bytes=rss_bytes(), device_mem_bytes=device_mem_bytes(self.kind))
+                    rss_bytes=rss_bytes(),
+                    device_mem_bytes=self.on_model_thread(device_mem_bytes, self.kind))
 
 
 def rss_bytes() -> int:

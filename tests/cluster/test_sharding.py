@@ -95,13 +95,13 @@ def test_sharded_workers_give_the_full_models_logits(tiny, kinds):
         slots_ref = [ref_pool.alloc_slot() for _ in range(3)]
         slots_w = [w.pool.alloc_slot() for _ in range(3)]
         hist = rng.integers(0, cfg.vocab_size, (3, 12))
-        for p in (full, w.model):  # fill two slots' history first
-            pool, sl = (ref_pool, slots_ref) if p is full else (w.pool, slots_w)
-            p.forward(hist[:2].reshape(-1), np.repeat(sl[:2], 12), np.tile(np.arange(12), 2), pool)
+        run = w.on_model_thread  # MLX arrays live on the thread that made them
+        full.forward(hist[:2].reshape(-1), np.repeat(slots_ref[:2], 12), np.tile(np.arange(12), 2), ref_pool)
+        run(w.model.forward, hist[:2].reshape(-1), np.repeat(slots_w[:2], 12), np.tile(np.arange(12), 2), w.pool)
         toks = np.concatenate([rng.integers(0, cfg.vocab_size, 9), [5, 7]])
         pos = np.concatenate([np.arange(9), [12, 12]])
         ref = full.forward(toks, np.array([slots_ref[2]] * 9 + slots_ref[:2]), pos, ref_pool)
-        got = w.model.forward(toks, np.array([slots_w[2]] * 9 + slots_w[:2]), pos, w.pool)
+        got = run(w.model.forward, toks, np.array([slots_w[2]] * 9 + slots_w[:2]), pos, w.pool)
         tol = 2e-4 if w.kind == "metal" else 1e-5
         np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
     stats = [w.stats() for w in ws]
