@@ -220,3 +220,26 @@ def test_native_kernel_guard(monkeypatch):
         check_close(out, reference64("kv8", planes, tables, q_lat, q_rope, q_pos, 0.2))
     native.usable.cache_clear()
     assert not native.supported(get_tier("tq4"), 96, 32) and not native.supported(tier, 80, 32)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_two_thousand_keys_within_1e5_of_numpy(tier):
+    rng = np.random.default_rng(31)
+    lengths = [2100, 1333]
+    Dl, Dr, H = 512, 64, 4
+    planes, tables, _ = make_pool(rng, tier, lengths, Dl, Dr, 16)
+    q_lat, q_rope, q_pos = queries(rng, lengths, 1, H, Dl, Dr)
+    got = paged_mla_attention(tier, to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope),
+                              q_pos, 0.07, chunk_tokens=512)
+    cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, tables, q_lat, q_rope, q_pos, 0.07)
+    check_close(got, cpu.astype(np.float64))
+
+
+@pytest.mark.parametrize("n", [2, 16, 64, 512, 2048])
+def test_fast_rotation_is_the_same_transform(n):
+    from kernels.metal import rotation
+    x = mx.array(np.random.default_rng(n).standard_normal((7, n)).astype(np.float32))
+    np.testing.assert_allclose(np.array(rotation.rotate_fast(x)), np.array(rotation.rotate(x)),
+                               rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.array(rotation.unrotate_fast(rotation.rotate_fast(x))),
+                               np.array(x), rtol=0, atol=1e-5)
