@@ -42,6 +42,8 @@ _SOURCE = """
     const uint tid = thread_position_in_threadgroup.x;
     const uint sg = simdgroup_index_in_threadgroup;
     const uint lane = thread_index_in_simdgroup;
+    const uint QN = uint(shape[0]), HN = uint(shape[1]);
+    const int NB = shape[2];
     const uint b = r / (QN * HN);
     const uint qi = (r / HN) % QN;
     const int pos = qpos[b * QN + qi];
@@ -92,8 +94,8 @@ _SOURCE = """
             else { uint byte = uint(rc[row * WR + d / 2]); v = lut[(d & 1) ? (byte >> 4) : (byte & 15u)]; }
             sr += rv[j] * v;
         }
-        const float s = (simd_sum(sl) * wl + simd_sum(sr) * wr) * sm_scale;
-        const float m_new = max(m, s);
+        const float s = (metal::simd_sum(sl) * wl + metal::simd_sum(sr) * wr) * sm_scale;
+        const float m_new = metal::max(m, s);
         const float alpha = metal::precise::exp(m - m_new);
         const float p = metal::precise::exp(s - m_new);
         l = l * alpha + p;
@@ -103,9 +105,9 @@ _SOURCE = """
     }
     for (int j = 0; j < EL; ++j) { tg_acc[sg * DL + lane + 32 * j] = acc[j]; }
     if (lane == 0) { tg_m[sg] = m; tg_l[sg] = l; }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     float mm = tg_m[0];
-    for (int g = 1; g < 8; ++g) { mm = max(mm, tg_m[g]); }
+    for (int g = 1; g < 8; ++g) { mm = metal::max(mm, tg_m[g]); }
     float ll = 0.0f;
     float f[8];
     for (int g = 0; g < 8; ++g) { f[g] = metal::precise::exp(tg_m[g] - mm); ll += tg_l[g] * f[g]; }
@@ -121,7 +123,7 @@ _SOURCE = """
 def _kernel():
     return mx.fast.metal_kernel(
         name="kvfleet_paged_mla_decode",
-        input_names=["ql", "qr", "lc", "ls", "rc", "rs", "bt", "qpos", "lut", "params"],
+        input_names=["ql", "qr", "lc", "ls", "rc", "rs", "bt", "qpos", "lut", "params", "shape"],
         output_names=["out"], source=_SOURCE, compile_options={"math_mode": "safe"})
 
 
@@ -156,9 +158,10 @@ def attend(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray, q_lat: mx.
     (out,) = _kernel()(
         inputs=[ql, qr, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale,
                 mx.array(block_tables.astype(np.int32)), mx.array(q_pos.astype(np.int32)),
-                _lut(tier), params],
+                _lut(tier), params, mx.array(np.array([Q, H, nb], np.int32))],
+        # compile-time: what is fixed for a pool; run-time: what changes per call
         template=[("TIER", _TIER_ID[tier.kind]), ("DL", Dl), ("DR", Dr),
-                  ("BS", planes.l_codes.shape[1]), ("NB", nb), ("QN", Q), ("HN", H)],
+                  ("BS", planes.l_codes.shape[1])],
         grid=(B * Q * H * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(B * Q * H, Dl)], output_dtypes=[mx.float32])
     if tier.kind == "tq":
