@@ -42,8 +42,8 @@ _SOURCE = """
     const uint tid = thread_position_in_threadgroup.x;
     const uint sg = simdgroup_index_in_threadgroup;
     const uint lane = thread_index_in_simdgroup;
-    const uint QN = uint(shape[0]), HN = uint(shape[1]);
-    const int NB = shape[2];
+    const uint QN = uint(dims[0]), HN = uint(dims[1]);
+    const int NB = dims[2];
     const uint b = r / (QN * HN);
     const uint qi = (r / HN) % QN;
     const int pos = qpos[b * QN + qi];
@@ -123,7 +123,7 @@ _SOURCE = """
 def _kernel():
     return mx.fast.metal_kernel(
         name="kvfleet_paged_mla_decode",
-        input_names=["ql", "qr", "lc", "ls", "rc", "rs", "bt", "qpos", "lut", "params", "shape"],
+        input_names=["ql", "qr", "lc", "ls", "rc", "rs", "bt", "qpos", "lut", "params", "dims"],
         output_names=["out"], source=_SOURCE, compile_options={"math_mode": "safe"})
 
 
