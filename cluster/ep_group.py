@@ -166,7 +166,7 @@ class ShardedGroup:
                 break
             self._recover(dead)
             for i in dead:
-                out[i] = WorkerDied(f"worker {self.names[i]} died: {failed.get(i, 'found dead')}")
+                out[i] = WorkerDied(_why(failed.get(i)))
             pending = {i: batches[i] for i in failed if i not in self.dead}
             if pending:
                 log.warning("re-running the step on %s (their step failed part way)",
@@ -310,3 +310,11 @@ def local_group(cfg: JobConfig, placements: list[Placement], sharded: bool = Tru
     for w in workers:
         w.connect(dict(enumerate(workers)), transport="local")
     return LocalGroup(workers)
+
+
+def _why(exc: BaseException | None) -> str:
+    """One line for the log: Ray's death messages run over many lines; the last says why."""
+    if exc is None:
+        return "found dead by a ping"
+    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"

@@ -177,5 +177,8 @@ def test_three_node_fleet_sharded_matches_single_worker(tiny, tmp_path, referenc
             assert sum(s["served_picks"] for s in stats) == sum(s["remote_picks"] for s in stats)
         finally:
             close()
+        for s in stats:  # the gauges, as the last stats call at close() left them
+            assert group.metrics.local[f"expert_pins[{s['name']}]"] == s["expert_pins"]
+            assert 0 < group.metrics.local[f"expert_hit_rate[{s['name']}]"] < 1
     finally:
         stop_cluster(c, ray)
