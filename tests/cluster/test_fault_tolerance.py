@@ -81,3 +81,75 @@ def requeued_ids(caplog) -> set[str]:
         if "re-queueing its" in r.getMessage():
             out.update(r.args[-1])
     return out
+
+
+class FlakyTransport:
+    """In-process transport whose next call into `layer` raises once armed (a peer that
+    vanished half way through a step, after the earlier layers wrote their KV rows)."""
+
+    def __init__(self, peers, layer: int):
+        from workers.transport import LocalTransport
+        self.inner, self.layer, self.armed = LocalTransport(peers), layer, False
+        self.peers = self.inner.peers
+
+    def submit(self, peer, layer, x, idx, w):
+        if self.armed and layer == self.layer:
+            self.armed = False
+            raise ConnectionError(f"peer {peer} vanished in layer {layer}")
+        return self.inner.submit(peer, layer, x, idx, w)
+
+    def gather(self, handles):
+        return self.inner.gather(handles)
+
+
+def batch(keys, tokens, positions, sample_at):
+    import numpy as np
+    from workers.actor import StepBatch
+    m = len(sample_at)
+    return StepBatch(keys=np.asarray(keys, np.int64), tokens=np.asarray(tokens, np.int32),
+                     positions=np.asarray(positions, np.int32),
+                     sample_at=np.asarray(sample_at, np.int32), temperature=np.zeros(m, np.float32),
+                     top_p=np.ones(m, np.float32), seed=np.zeros(m, np.uint64),
+                     counter=np.zeros(m, np.uint64))
+
+
+def test_step_rerun_after_a_part_way_failure_is_exact(tmp_path):
+    """A survivor's step that failed in its last MoE layer (KV of the earlier layers already
+    written, a new slot already mapped) and is then re-run gives the clean run's tokens and
+    the clean run's KV rows, and decoding goes on identically."""
+    import numpy as np
+    from workers.actor import WorkerSpec
+    from workers.config import ModelConfig
+    from workers.ep_worker import ShardedWorker
+    tiny = make_tiny(tmp_path / "tiny")
+    cfg = ModelConfig.from_file(tiny / "config.json")
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    owners = {l: np.arange(cfg.n_routed_experts, dtype=np.int32) % 2 for l in moe}
+
+    def pair():
+        ws = [ShardedWorker(WorkerSpec(f"w{r}", str(tiny), "f32", 3, 64), "cpu", r, owners) for r in range(2)]
+        for w in ws:
+            w.connect(dict(enumerate(ws)), transport="local")
+        return ws
+    rng = np.random.default_rng(7)
+    b_hist = rng.integers(2, cfg.vocab_size, 12)
+    a_prompt = rng.integers(2, cfg.vocab_size, 9)
+    step1 = batch([5] * 12, b_hist, np.arange(12), [11])
+    step2 = batch([9] * 9 + [5], np.concatenate([a_prompt, [3]]), np.r_[np.arange(9), 12], [8, 9])
+    step3 = batch([9, 5], [4, 6], [9, 13], [0, 1])
+    clean, flaky = pair(), pair()
+    flaky[0].experts.transport = t = FlakyTransport(flaky[0].experts.transport.peers, moe[-1])
+    want = [clean[0].step(s).next_tokens for s in (step1, step2, step3)]
+    assert flaky[0].step(step1).next_tokens.tolist() == want[0].tolist()
+    t.armed = True
+    with pytest.raises(ConnectionError):
+        flaky[0].step(step2)
+    assert flaky[0].pool.length(flaky[0]._slot[9]) == 9  # layers before the failure wrote A's rows
+    assert flaky[0].step(step2).next_tokens.tolist() == want[1].tolist()  # the re-run
+    assert flaky[0].step(step3).next_tokens.tolist() == want[2].tolist()
+    for key in (5, 9):
+        for layer in range(cfg.num_hidden_layers):
+            got = flaky[0].pool.read_rows(flaky[0]._slot[key], layer)
+            ref = clean[0].pool.read_rows(clean[0]._slot[key], layer)
+            for g, r in zip(got, ref):
+                np.testing.assert_array_equal(g, r)

@@ -175,6 +175,15 @@ def test_three_node_fleet_sharded_matches_single_worker(tiny, tmp_path, referenc
             assert all(s["expert_pins"] > 0 for s in stats)  # equal budgets: all three hold some
             assert all(0 < s["expert_hit_rate"] < 1 for s in stats)
             assert sum(s["served_picks"] for s in stats) == sum(s["remote_picks"] for s in stats)
+            # one request alone: the two workers without sequences still serve their experts
+            one = []
+            sched.run([items[3]], one.append)
+            assert one[0].completion_tokens == reference[items[3].req.id]["completion_tokens"]
+            after = group.worker_stats()
+            busy = group.names.index(one[0].worker)
+            for i, (a, b) in enumerate(zip(stats, after)):
+                if i != busy:
+                    assert b["served_picks"] > a["served_picks"] and b["local_picks"] == a["local_picks"]
         finally:
             close()
         for s in stats:  # the gauges, as the last stats call at close() left them
