@@ -150,13 +150,14 @@ class DevicePool(KVPool):
                 p.r_codes[blk, off].get(), p.r_scale[blk, off].get())
 
     # -- attention -------------------------------------------------------------------------
-    def plan(self, slots, positions) -> cuda_attention.DecodePlan:
+    def plan(self, slots, positions, n_heads: int) -> cuda_attention.DecodePlan:
         """The kernel's work split for this step; cached, so all layers of a step share it."""
         slots = np.asarray(slots, np.int64)
         positions = np.asarray(positions, np.int64)
-        key = slots.tobytes() + b"|" + positions.tobytes()
+        key = slots.tobytes() + b"|" + positions.tobytes() + b"|" + bytes([n_heads % 256])
         if key != self._plan_key:
-            self._plan = cuda_attention.decode_plan(slots, positions)
+            per_sm = cuda_attention.ctas_per_sm(self.tier, n_heads, self.kv_lora, self.rope)
+            self._plan = cuda_attention.decode_plan(slots, positions, ctas_per_sm=per_sm)
             self._plan_key = key
         return self._plan
 
@@ -177,7 +178,8 @@ class DevicePool(KVPool):
         ql = cp.ascontiguousarray(cp.asarray(q_lat, cp.float32))
         qr = cp.ascontiguousarray(cp.asarray(q_rope, cp.float32))
         ctx = cuda_attention.paged_mla_decode(self.tier, self.planes[layer], self.device_tables(),
-                                              self.plan(slots, positions), ql, qr, scale)
+                                              self.plan(slots, positions, ql.shape[1]), ql, qr,
+                                              scale)
         return ctx.get() if on_host else ctx
 
     def _cpu_attend(self, layer, slots, positions, q_lat, q_rope, scale) -> np.ndarray:

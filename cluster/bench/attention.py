@@ -171,12 +171,14 @@ def bench_cuda(args) -> dict:
     ceil = measure_ceilings(args.repeat)
     rows = []
     for B, T in args.shapes:
-        plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1))
         for tier_name in args.tiers:
             tier = get_tier(tier_name)
             planes, tables = _device_planes(tier, B, T, rng)
             nbytes = B * T * tier.token_bytes(DL, DR)
             for H in args.head_counts:
+                per_sm = cuda_attention.ctas_per_sm(tier, H, DL, DR)
+                plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1),
+                                                  ctas_per_sm=per_sm)
                 q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
                 q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
                 fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
@@ -210,7 +212,6 @@ def breakdown(args, ceil) -> list[dict]:
     from kernels.cuda import attention as cuda_attention
     rng = np.random.default_rng(1)
     B, T = 16, 32768
-    plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1))
     out = []
     for tier_name in args.tiers:
         tier = get_tier(tier_name)
@@ -219,10 +220,16 @@ def breakdown(args, ceil) -> list[dict]:
             q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
             q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
             row = {"tier": tier_name, "H": H}
+            plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=(
+                cuda_attention.ctas_per_sm(tier, H, DL, DR)))
             for name, skip in SKIPS.items():
                 fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
                     tier, planes, tables, plan, q_lat, q_rope, SCALE, _skip=skip)
                 row[name] = 1e3 * _graph_time(fn, max(5, args.repeat // 2))[0]
+            plan1 = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1))
+            fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
+                tier, planes, tables, plan1, q_lat, q_rope, SCALE, _two_ctas=False)
+            row["1 CTA/SM"] = 1e3 * _graph_time(fn, max(5, args.repeat // 2))[0]
             out.append(row)
         del planes, tables
         cp.get_default_memory_pool().free_all_blocks()
@@ -294,7 +301,7 @@ def _print_table(res: dict) -> None:
         for c in res["checks"]:
             print(c)
         if res.get("breakdown"):
-            names = list(SKIPS)
+            names = list(SKIPS) + ["1 CTA/SM"]
             print("breakdown at 16x32768, ms per call: " + " | ".join(names))
             for r in res["breakdown"]:
                 print(f"{r['tier']:5} H={r['H']:<3} " + " ".join(f"{r[n]:8.3f}" for n in names))

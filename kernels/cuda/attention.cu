@@ -27,6 +27,9 @@
 #ifndef SKIP
 #define SKIP 0
 #endif
+#ifndef MINB
+#define MINB 1  // CTAs per SM the register allocation must allow (2: <= 128 registers)
+#endif
 #define NTHREADS 256
 #define NWARPS 8
 #define DK (DL + DR)
@@ -265,7 +268,7 @@ attn_qprep(const float* __restrict__ q_lat, const float* __restrict__ q_rope,
 // heads. Writes the unnormalized partial context o_part[w, Hpad, DL] and (max, sum) in
 // ml_part[w, Hpad, 2] (base-2 log domain). grid (W, Hpad / MROWS), block 256,
 // dynamic shared memory SM_TOTAL.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, MINB)
 attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
            const unsigned char* __restrict__ l_codes, const float* __restrict__ l_scale,
            const unsigned char* __restrict__ r_codes, const float* __restrict__ r_scale,

@@ -52,11 +52,12 @@ class Shape:
     dr: int
     nstage: int = 1  # raw tiles in flight
     skip: int = 0    # attention.cu SKIP: timing variants only
+    minb: int = 1    # CTAs per SM (2: registers capped at 128, shared memory halved)
 
     @property
     def defines(self) -> dict:
         return dict(TIER=self.tier_id, MT=self.mt, BT=self.bt, DL=self.dl, DR=self.dr,
-                    NSTAGE=self.nstage, SKIP=self.skip)
+                    NSTAGE=self.nstage, SKIP=self.skip, MINB=self.minb)
 
     def shared_bytes(self) -> int:
         """attention.cu SM_TOTAL."""
@@ -69,21 +70,37 @@ class Shape:
                 + 4 * (self.nstage + 1) * self.bt + 2 * 4 * tg * mrows + 4 * mrows + 4 * 256 + 16)
 
 
-def _smem_limit() -> int:
-    return cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+def _smem_limit(ctas_per_sm: int = 1) -> int:
+    attrs = cp.cuda.Device().attributes
+    per_sm = attrs["MaxSharedMemoryPerMultiprocessor"] // ctas_per_sm - 1024  # 1 KiB/CTA reserved
+    return min(attrs["MaxSharedMemoryPerBlockOptin"], per_sm)
 
 
-def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0) -> tuple[Shape, int]:
+def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0,
+           two_ctas: bool = True) -> tuple[Shape, int]:
     """(specialisation, head groups) for n_heads: up to 64 heads share one pass; as many
-    raw tiles in flight (3, 2 or 1) as shared memory allows."""
+    raw tiles in flight (3, 2 or 1) as shared memory allows. With <= 16 heads a coded tier
+    runs two CTAs per SM on 32-token tiles, so one CTA's conversion overlaps the other's
+    products (one CTA of 8 warps leaves the schedulers idle most cycles)."""
     hg = min(64, -(-n_heads // 16) * 16)
     tid = _TIER_ID[tier.kind]
+    if two_ctas and hg == 16 and tid != 0:
+        limit = _smem_limit(2)
+        for nstage in (3, 2, 1):
+            shape = Shape(tid, 1, 32, dl, dr, nstage, skip, 2)
+            if shape.shared_bytes() <= limit:
+                return shape, -(-n_heads // hg)
     limit = _smem_limit()
     for nstage in (3, 2, 1):
         shape = Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr, nstage, skip)
         if shape.shared_bytes() <= limit:
             break
     return shape, -(-n_heads // hg)
+
+
+def ctas_per_sm(tier: Tier | str, n_heads: int, kv_lora: int, rope: int) -> int:
+    """CTAs per SM of the kernel for this tier and head count (for decode_plan)."""
+    return _shape(get_tier(tier), n_heads, kv_lora, rope)[0].minb
 
 
 class _Kernels:
@@ -115,9 +132,10 @@ class DecodePlan:
     max_keys: int  # longest key range (checked against the table's capacity)
 
 
-def decode_plan(rows, positions, n_sm: int | None = None) -> DecodePlan:
+def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) -> DecodePlan:
     """Split every query's keys 0..positions[i] into chunks so that about one wave of CTAs
-    covers the step. rows, positions: host int arrays [N]."""
+    (n_sm * ctas_per_sm; see ctas_per_sm()) covers the step. rows, positions: host int
+    arrays [N]."""
     rows = np.asarray(rows, np.int64)
     pos = np.asarray(positions, np.int64)
     if rows.shape != pos.shape or rows.ndim != 1:
@@ -126,6 +144,7 @@ def decode_plan(rows, positions, n_sm: int | None = None) -> DecodePlan:
     total = int(n_keys.sum())
     if n_sm is None:
         n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    n_sm *= ctas_per_sm
     # One CTA per SM: the smallest multiple of 64 (every tile size divides it) whose work
     # items fit in one wave, so no second wave runs a handful of stragglers.
     chunk = -(-max(MIN_CHUNK, -(-max(total, 1) // n_sm)) // 64) * 64
@@ -188,7 +207,7 @@ def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, 
 
 def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: DecodePlan,
                      q_lat: cp.ndarray, q_rope: cp.ndarray, scale: float,
-                     _skip: int = 0) -> cp.ndarray:
+                     _skip: int = 0, _two_ctas: bool = True) -> cp.ndarray:
     """ctx [N, H, kv_lora] float32 for queries q_lat [N, H, kv_lora], q_rope [N, H, rope]
     over the device planes (kernels/cpu/attention.LayerPlanes of cupy arrays) through
     block_tables [S, nb] int32, as laid out by `plan` (decode_plan)."""
@@ -214,7 +233,7 @@ def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: D
     if plan.max_row >= block_tables.shape[0] or plan.max_keys > block_tables.shape[1] * bs:
         raise ValueError(f"plan reaches table row {plan.max_row} / {plan.max_keys} keys; "
                          f"block_tables {block_tables.shape} x block_size {bs} is smaller")
-    shape, groups = _shape(tier, H, dl, dr, _skip)
+    shape, groups = _shape(tier, H, dl, dr, _skip, _two_ctas)
     out = cp.empty((N, H, dl), cp.float32)
     if N:
         _launch(tier, shape, groups, planes, block_tables, plan, q_lat, q_rope, scale, out)
