@@ -13,6 +13,8 @@ the field path, and carries the bad value.
     prefill_chunk: 256           # prompt tokens per scheduler step, over all slots
     sampling: {max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0}
     workers: {count: 1, fleet: null, num_cpus: 1, resources: {}, label_selector: {}}
+    kv_cache_dir: null           # a dir: save each request's KV, resume shared prefixes
+    kv_cache_format: arrow       # arrow | coli (the C engine's .coli_kv)
 """
 from __future__ import annotations
 
@@ -73,6 +75,9 @@ class JobConfig(_Frozen):
     workers: Workers = Workers()
     flush_every: int = Field(32, ge=1)  # results per crash-safe part file
     progress_every_s: float = Field(10.0, gt=0)  # log-line progress period off a TTY
+    # saved KV per request (`cache` field, default the id) on each worker's host; None = off
+    kv_cache_dir: Path | None = None
+    kv_cache_format: Literal["arrow", "coli"] = "arrow"
 
     @field_validator("kv")
     @classmethod
@@ -85,6 +90,11 @@ class JobConfig(_Frozen):
     @classmethod
     def _repo_relative(cls, v: Path) -> Path:
         return v if v.is_absolute() else REPO_ROOT / v
+
+    @field_validator("kv_cache_dir")
+    @classmethod
+    def _absolute_dir(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser().absolute()  # the driver's cwd
 
     @model_validator(mode="after")
     def _context_fits_blocks(self) -> "JobConfig":
@@ -120,6 +130,8 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "KVFLEET_TEMPERATURE": ("sampling.temperature", float),
     "KVFLEET_SEED": ("sampling.seed", int),
     "KVFLEET_WORKERS": ("workers.count", int),
+    "KVFLEET_KV_CACHE_DIR": ("kv_cache_dir", str),
+    "KVFLEET_KV_CACHE_FORMAT": ("kv_cache_format", str),
 }
 
 

@@ -1,7 +1,10 @@
 """Requests in (JSONL), results out (one Parquet row per input line).
 
 Input line (JSON object): `id` (string or int), `prompt` (text) or `prompt_tokens` (list of
-ints), optional `max_tokens`, `temperature`, `top_p`, `seed`, `stop` (string or list).
+ints), optional `max_tokens`, `temperature`, `top_p`, `seed`, `stop` (string or list),
+`cache` (a name for the request's saved KV: with `kv_cache_dir` set, a request whose prompt
+starts with what that cache holds resumes from it, and its own KV is saved there; default:
+the id; any string, kvstore/slots.py turns it into a safe file name).
 A line that cannot become a request is not fatal: it becomes an `InputError` carrying the
 line number and the reason, and the job writes an error row for it.
 """
@@ -15,7 +18,9 @@ from typing import Iterator
 
 import pyarrow as pa
 
-FIELDS = {"id", "prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "stop"}
+FIELDS = {"id", "prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "stop",
+          "cache"}
+MAX_CACHE_NAME = 1024
 FINISH_REASONS = ("stop", "length", "error")
 
 
@@ -30,6 +35,7 @@ class Request:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    cache: str | None = None  # saved-KV name (None = the id, when kv_cache_dir is set)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Result:
     worker: str = ""
     ttft_s: float | None = None  # slot assigned -> first token sampled (queueing excluded)
     decode_tokens_per_s: float | None = None  # (tokens - 1) / (last token - first token)
+    cached_prompt_tokens: int = 0  # prompt tokens loaded from saved KV instead of computed
 
     @classmethod
     def failed(cls, bad: InputError, tier: str) -> "Result":
@@ -85,7 +92,10 @@ SCHEMA = pa.schema([
     ("ttft_s", pa.float64()),
     ("decode_tokens_per_s", pa.float64()),
     ("line", pa.int32()),
+    ("cached_prompt_tokens", pa.int32()),
 ])
+# columns added after the first release: results files written before them read as null
+LATER_COLUMNS = frozenset({"cached_prompt_tokens"})
 
 
 def results_table(results: list[Result]) -> pa.Table:
@@ -149,8 +159,13 @@ def parse_line(text: str, line: int) -> Request | InputError:
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         return bad(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
+    cache = obj.get("cache")
+    if cache is not None and (not isinstance(cache, str) or not cache
+                              or len(cache) > MAX_CACHE_NAME):
+        return bad(f"'cache' must be a non-empty string of at most {MAX_CACHE_NAME} "
+                   f"characters, got {str(cache)[:80]!r}")
     return Request(id=rid, line=line, prompt=prompt if has_text else None,
-                   prompt_tokens=tokens, stop=tuple(stop), **kw)
+                   prompt_tokens=tokens, stop=tuple(stop), cache=cache, **kw)
 
 
 def read_requests(path: str | Path) -> Iterator[Request | InputError]:

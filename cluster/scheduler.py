@@ -38,6 +38,7 @@ class Prepared:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    cache: str | None = None  # saved-KV name: resume from it, save to it (workers/persist.py)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Seq:
     worker: int
     t_admit: float
     prefilled: int = 0  # prompt tokens already in the worker's KV
+    cached: int = 0  # of which loaded from the sequence's saved KV
     out: list[int] = field(default_factory=list)
     t_first: float | None = None
     t_last: float | None = None
@@ -70,6 +72,7 @@ class SchedulerStats:
     worker_deaths: int = 0  # workers found dead (the soak's "kills")
     recoveries: int = 0  # deaths after which the job went on with live workers
     requeued: int = 0  # sequences re-run from their prompts after their worker died
+    kv_cache: dict[str, int] = field(default_factory=dict)  # saved-KV counts (workers/persist.py)
 
     @property
     def overhead_per_decode_step_s(self) -> float:
@@ -180,6 +183,7 @@ class Scheduler:
         rows: dict[int, list] = {}
         sampled: dict[int, list[_Seq]] = {}
         budget = {}
+        attach: dict[int, dict] = {}
         n_prompt = 0
         for s in active:  # decode tokens first, so prefill never starves a decode
             if s.decoding:
@@ -194,6 +198,8 @@ class Scheduler:
             n = min(left, len(s.item.prompt_ids) - s.prefilled)
             chunk = s.item.prompt_ids[s.prefilled:s.prefilled + n]
             done = s.prefilled + n == len(s.item.prompt_ids)
+            if s.prefilled == 0 and s.item.cache is not None:  # the worker may load a prefix
+                attach.setdefault(s.worker, {})[s.key] = (s.item.cache, s.item.prompt_ids)
             self._add(rows, sampled, s, chunk, s.prefilled, sample=done)
             s.prefilled += n
             budget[s.worker] = left - n
@@ -217,7 +223,7 @@ class Scheduler:
                 top_p=np.array([s.item.top_p for s in seqs], np.float32),
                 seed=np.array([s.item.seed for s in seqs], np.uint64),
                 counter=np.array([len(s.out) for s in seqs], np.uint64),
-                release=tuple(self._release[w]))
+                release=tuple(self._release[w]), attach=attach.get(w, {}))
             self._release[w] = []
         return batches, sampled, n_prompt
 
@@ -234,6 +240,11 @@ class Scheduler:
         now = self.clock()
         finished: list[_Seq] = []
         n_tok = 0
+        by_key = {s.key: s for s in active}
+        for out in outs.values():  # prefill resumes past what a worker loaded
+            for key, n in out.loaded.items():
+                s = by_key[key]
+                s.cached, s.prefilled = n, max(s.prefilled, n)
         for w, out in outs.items():
             for s, tok in zip(sampled[w], out.next_tokens.tolist()):
                 n_tok += 1
@@ -276,7 +287,7 @@ class Scheduler:
                       completion_token_count=len(s.out), finish_reason=reason, error=error,
                       tier=self.tier, worker=self.group.names[s.worker] if s.key >= 0 else "",
                       ttft_s=None if s.t_first is None else s.t_first - s.t_admit,
-                      decode_tokens_per_s=rate)
+                      decode_tokens_per_s=rate, cached_prompt_tokens=s.cached)
 
     def _account(self, outs: dict[int, StepOutput], wall: float, driver: float, n_tok: int,
                  n_prompt: int) -> None:
@@ -294,6 +305,8 @@ class Scheduler:
             st.decode_tokens += n_tok
         self.metrics.step(n_tok, wall)
         for w, o in outs.items():
+            for k, n in o.cache_events.items():
+                st.kv_cache[k] = st.kv_cache.get(k, 0) + n
             self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
             for path, n in o.fallbacks.items():
                 self.metrics.fallback(path, n)
@@ -309,6 +322,9 @@ class Scheduler:
             for w, o in self.group.step_all(batches).items():
                 if isinstance(o, BaseException):
                     log.warning("worker %s: releasing slots failed: %r", self.group.names[w], o)
+                    continue
+                for k, n in o.cache_events.items():  # the last sequences' KV saves
+                    self.stats.kv_cache[k] = self.stats.kv_cache.get(k, 0) + n
         self._release = [[] for _ in self.group.names]
 
 

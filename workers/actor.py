@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from workers.persist import SlotPersist
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class WorkerSpec:
     slots: int
     max_context: int
     block_size: int = 16
+    kv_cache_dir: str | None = None  # save/resume sequences' KV there (workers/persist.py)
+    kv_cache_format: str = "arrow"  # arrow | coli
 
 
 @dataclass
@@ -40,6 +43,9 @@ class StepBatch:
     seed: np.ndarray  # uint64[M]
     counter: np.ndarray  # uint64[M] index of the token being chosen within its sequence
     release: tuple[int, ...] = ()  # keys whose slots are freed before this step
+    # key -> (cache name, int32 prompt ids): resume the sequence from its saved KV before
+    # this step, which carries its first prompt chunk (workers/persist.py)
+    attach: dict[int, tuple[str, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,6 +55,8 @@ class StepOutput:
     step_s: float  # time of the whole step call on the worker
     kv_bytes: int  # pool.bytes_in_use() after the step
     fallbacks: dict[str, int] = field(default_factory=dict)  # path -> count in this step
+    loaded: dict[int, int] = field(default_factory=dict)  # attached key -> prompt tokens loaded
+    cache_events: dict[str, int] = field(default_factory=dict)  # persistence counts this step
 
 
 class Worker:
@@ -68,6 +76,7 @@ class Worker:
         self.model, self.pool = model, pool
         self._slot: dict[int, int] = {}  # sequence key -> pool slot
         self._rebuilds = _polar_rebuilds()
+        self.persist = SlotPersist.for_worker(spec, self.model, self.pool)
 
     def info(self) -> dict:
         return {"name": self.spec.name, "slots": self.spec.slots, "tier": self.spec.tier,
@@ -78,11 +87,15 @@ class Worker:
         for key in batch.release:  # a key whose first step failed before it got a slot
             slot = self._slot.pop(int(key), None)  # has nothing to free
             if slot is not None:
+                self.persist.release(int(key), self.pool, slot)  # saves its KV first
                 self.pool.free_slot(slot)
-        uniq, inv = np.unique(batch.keys, return_inverse=True)
-        for key in uniq.tolist():
+        for key in np.unique(batch.keys).tolist():
             if key not in self._slot:
                 self._slot[key] = self.pool.alloc_slot()
+        loaded: dict[int, int] = {}
+        if batch.attach:  # drops the prompt rows that the loaded prefixes cover
+            batch, loaded = self.persist.attach(batch, self.pool, self._slot)
+        uniq, inv = np.unique(batch.keys, return_inverse=True)
         slots = np.array([self._slot[k] for k in uniq.tolist()], np.int32)[inv]
         next_tokens = np.zeros(0, np.int32)
         forward_s = 0.0
@@ -92,11 +105,13 @@ class Worker:
                                         np.asarray(batch.positions, np.int32), self.pool,
                                         logits_at=np.asarray(batch.sample_at, np.int64))
             forward_s = time.perf_counter() - t1
+            self.persist.observe(batch)
             next_tokens = sample_rows(logits, batch.temperature, batch.top_p,
                                       batch.seed, batch.counter)
         return StepOutput(next_tokens=next_tokens, forward_s=forward_s,
                           step_s=time.perf_counter() - t0, kv_bytes=int(self.pool.bytes_in_use()),
-                          fallbacks=self._drain_fallbacks())
+                          fallbacks=self._drain_fallbacks(), loaded=loaded,
+                          cache_events=self.persist.drain_events())
 
     def _drain_fallbacks(self) -> dict[str, int]:
         """Counts since the last step of native paths that fell back to a slower one: what

@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, help="number of worker actors")
     p.add_argument("--inprocess", action="store_true", help="run the workers in this process")
     p.add_argument("--limit", type=int, help="process at most N prompts this run")
+    p.add_argument("--kv-cache-dir", type=Path,
+                   help="save each request's KV here and resume prompts that share a prefix")
     p.set_defaults(func=run)
 
 
@@ -50,6 +52,8 @@ def flag_overrides(args) -> dict:
         o.setdefault("workers", {})["count"] = args.workers
     if args.inprocess:
         o.setdefault("workers", {})["runtime"] = "inprocess"
+    if args.kv_cache_dir is not None:
+        o["kv_cache_dir"] = str(args.kv_cache_dir)
     return o
 
 

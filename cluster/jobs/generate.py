@@ -23,6 +23,7 @@ from cluster.metrics import JobMetrics
 from cluster.requests import InputError, Request, Result, read_requests, result_key
 from cluster.scheduler import Prepared, Scheduler, SchedulerStats
 from workers.actor import LocalGroup, RayGroup, Worker, WorkerSpec
+from workers.persist import unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         raise JobConfigError(f"model: {cfg.model} has no config.json (set `model:` in the "
                              f"config, --model, or KVFLEET_MODEL)")
     mcfg = ModelConfig.from_file(cfg.model / "config.json")
+    if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
+        raise JobConfigError(f"model {cfg.model}: {why}")
     tok = Tokenizer.from_dir(cfg.model)
     store = ResultStore(out, flush_every=cfg.flush_every)
     done = store.done_keys()
@@ -73,6 +76,9 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         items = items[:limit]
     if skipped:
         log.info("%s: %d prompts already done, skipping them", out, skipped)
+    if cfg.kv_cache_dir is None and any(p.req.cache is not None for p in items):
+        log.warning("%s: 'cache' fields are ignored: KV cache persistence is off (set "
+                    "kv_cache_dir, KVFLEET_KV_CACHE_DIR or --kv-cache-dir)", prompts)
     bar = Progress(len(errors) + len(items), cfg.progress_every_s, tty=progress)
     written = {"n": 0, "errors": 0}
 
@@ -99,6 +105,9 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
             close()
     bar.close()
     store.finalize()
+    if stats.kv_cache:
+        log.info("KV cache %s: %s", cfg.kv_cache_dir,
+                 ", ".join(f"{k} {v}" for k, v in sorted(stats.kv_cache.items())))
     s = Summary(Path(out), written["n"], written["errors"], skipped, stats.tokens,
                 time.perf_counter() - t0, stats)
     log.info("generate: %s", s.line())
@@ -123,7 +132,8 @@ def _prepare(r: Request, cfg: JobConfig, tok, vocab: int) -> Prepared | InputErr
                     max_tokens=r.max_tokens if r.max_tokens is not None else d.max_tokens,
                     temperature=r.temperature if r.temperature is not None else d.temperature,
                     top_p=r.top_p if r.top_p is not None else d.top_p,
-                    seed=r.seed if r.seed is not None else d.seed, stop=r.stop)
+                    seed=r.seed if r.seed is not None else d.seed, stop=r.stop,
+                    cache=None if cfg.kv_cache_dir is None else r.cache or r.id)
 
 
 def _eos(tok, mcfg) -> set[int]:
@@ -167,7 +177,9 @@ def _placement(resources: dict[str, float], labels: dict[str, str]) -> dict[str,
 
 def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
     return WorkerSpec(name=name, model=cfg.model_ref(), tier=cfg.kv, slots=slots,
-                      max_context=cfg.max_context, block_size=cfg.block_size)
+                      max_context=cfg.max_context, block_size=cfg.block_size,
+                      kv_cache_dir=None if cfg.kv_cache_dir is None else str(cfg.kv_cache_dir),
+                      kv_cache_format=cfg.kv_cache_format)
 
 
 def _start_workers(cfg: JobConfig):

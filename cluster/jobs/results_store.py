@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cluster.requests import SCHEMA, Result, result_key, results_table
+from cluster.requests import LATER_COLUMNS, SCHEMA, Result, result_key, results_table
 
 log = logging.getLogger(__name__)
 PART = re.compile(r"^part-(\d{6})\.parquet$")
@@ -53,8 +53,10 @@ class ResultStore:
                 raise RuntimeError(f"{p}: cannot read earlier results ({e}); move it away "
                                    f"to start over") from None
             missing = set(SCHEMA.names) - set(t.column_names)
-            if missing:
+            if missing - LATER_COLUMNS:
                 raise RuntimeError(f"{p}: not a kvfleet results file (missing {sorted(missing)})")
+            for name in sorted(missing):  # written before that column existed
+                t = t.append_column(SCHEMA.field(name), pa.nulls(t.num_rows, SCHEMA.field(name).type))
             tables.append(t.select(SCHEMA.names).cast(SCHEMA))
         return tables
 

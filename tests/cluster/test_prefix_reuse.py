@@ -1,0 +1,333 @@
+"""Saved KV per request on the tiny model (in-process runtime): a prompt that starts with a
+saved cache loads that prefix instead of computing it and gives the same tokens; a shrinking
+prefix truncates the file; tiers (same tier reuse, v1 upgrade, reject + clean start); a busy
+file; unsafe cache names; DSA refused; the worker's row skipping against a plain loop."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cluster.config import JobConfigError, load_job_config
+from cluster.jobs.generate import run_generate
+from cluster.requests import parse_line
+from kvstore.disk import ArrowKVFile, read_header
+from kvstore.fingerprint import Fingerprint
+from kvstore.slots import SlotFiles, slot_filename
+from runtime_helpers import ROOT, make_tiny, rows_by_id, write_lines
+from workers.actor import StepBatch
+from workers.config import ModelConfig
+from workers.model import Model
+from workers.persist import skip_loaded
+
+P = 40  # prompt tokens
+C = 6  # completion tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def forwarded(monkeypatch):
+    """Token rows that went through Model.forward, per call."""
+    calls: list[int] = []
+    real = Model.forward
+
+    def spy(self, tokens, *a, **kw):
+        calls.append(len(tokens))
+        return real(self, tokens, *a, **kw)
+    monkeypatch.setattr(Model, "forward", spy)
+    return calls
+
+
+def prompt(seed: int, n: int = P) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 500, n).tolist()
+
+
+def line(rid: str, toks, cache: str | None = "conv", max_tokens: int = C) -> str:
+    obj = {"id": rid, "prompt_tokens": list(toks), "max_tokens": max_tokens}
+    if cache is not None:
+        obj["cache"] = cache
+    return json.dumps(obj)
+
+
+def run(tiny, d, lines, cache_dir=None, name="out", **kw):
+    """One in-process generate job; returns (rows by id, scheduler stats)."""
+    over = {"model": str(tiny), "slots": 2, "max_context": 128, "prefill_chunk": 64,
+            "workers": {"runtime": "inprocess"}}
+    if cache_dir is not None:
+        over["kv_cache_dir"] = str(cache_dir)
+    over.update(kw)
+    cfg = load_job_config(env={}, overrides=over)
+    d.mkdir(parents=True, exist_ok=True)
+    prompts = write_lines(d / f"{name}.jsonl", lines)
+    s = run_generate(cfg, prompts, d / f"{name}.parquet", progress=False)
+    rows = rows_by_id(d / f"{name}.parquet")
+    assert all(r["finish_reason"] == "length" for r in rows.values()), rows
+    return rows, s.stats
+
+
+def saved(tiny, cache_dir, name, tier, fmt="arrow"):
+    """(records, file version) of a slot file."""
+    fp = Fingerprint.from_config(ModelConfig.from_file(tiny / "config.json"))
+    files = SlotFiles(cache_dir, fp, tier, fmt)
+    with files.open(name) as f:
+        recs = f.load()
+        version = f.plan.file_tier.version if f.plan else None
+        return recs, version, f.message
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+def test_second_run_loads_the_prompt_and_gives_the_same_tokens(tiny, tmp_path, forwarded, tier):
+    toks = prompt(1)
+    ref, _ = run(tiny, tmp_path / "ref", [line("a", toks, cache=None)], kv=tier)
+    assert ref["a"]["cached_prompt_tokens"] == 0
+    forwarded.clear()
+    cache = tmp_path / "cache"
+    first, st1 = run(tiny, tmp_path / "r1", [line("a", toks)], cache, kv=tier)
+    assert sum(forwarded) == P + C - 1 and first["a"]["cached_prompt_tokens"] == 0
+    assert st1.kv_cache == {"misses": 1, "loaded_tokens": 0, "saved_tokens": P + C - 1}
+    recs, version, _ = saved(tiny, cache, "conv", tier)
+    comp = first["a"]["completion_tokens"]
+    assert comp == ref["a"]["completion_tokens"] and len(comp) == C
+    # the last sampled token never went through the model: it has no KV yet
+    assert recs.tokens.tolist() == toks + comp[:-1]
+    assert version == {"f32": 1, "kv8": 2, "tq4": 3}[tier]
+
+    forwarded.clear()
+    second, st2 = run(tiny, tmp_path / "r2", [line("a", toks)], cache, kv=tier)
+    assert second["a"]["cached_prompt_tokens"] == P - 1
+    assert sum(forwarded) == 1 + (C - 1), forwarded  # last prompt token + decode tokens
+    assert second["a"]["completion_tokens"] == comp
+    assert st2.kv_cache["hits"] == 1 and st2.kv_cache["loaded_tokens"] == P - 1
+    again, _, _ = saved(tiny, cache, "conv", tier)
+    assert again.tokens.tolist() == toks + comp[:-1]
+    # the reused prefix is the first run's bytes, untouched
+    for a, b in ((recs.l_codes, again.l_codes), (recs.r_scale, again.r_scale)):
+        assert np.array_equal(a[:, :P - 1], b[:, :P - 1], equal_nan=True)
+
+
+def test_conversation_continues_from_the_whole_saved_turn(tiny, tmp_path, forwarded):
+    cache = tmp_path / "cache"
+    toks = prompt(2)
+    first, _ = run(tiny, tmp_path / "r1", [line("t1", toks)], cache)
+    turn2 = toks + first["t1"]["completion_tokens"] + prompt(3, 10)
+    ref, _ = run(tiny, tmp_path / "ref", [line("t2", turn2, cache=None)])
+    forwarded.clear()
+    rows, _ = run(tiny, tmp_path / "r2", [line("t2", turn2)], cache)
+    assert rows["t2"]["cached_prompt_tokens"] == P + C - 1
+    assert sum(forwarded) == (len(turn2) - (P + C - 1)) + (C - 1)
+    assert rows["t2"]["completion_tokens"] == ref["t2"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("shared", [25, 12])
+def test_shrinking_prefix_truncates_the_file_then_appends(tiny, tmp_path, monkeypatch, shared):
+    cache = tmp_path / "cache"
+    a = prompt(4)
+    run(tiny, tmp_path / "r1", [line("a", a)], cache)
+    before, _, _ = saved(tiny, cache, "conv", "f32")
+    b = a[:shared] + [t + 1 for t in a[shared:shared + 8]]  # diverges after `shared` tokens
+    lengths = []
+    real = ArrowKVFile.append
+
+    def spy(self, recs, start=None):
+        lengths.append((self.length(), start, len(recs)))
+        return real(self, recs, start)
+    monkeypatch.setattr(ArrowKVFile, "append", spy)
+    ref, _ = run(tiny, tmp_path / "ref", [line("b", b, cache=None)])
+    rows, _ = run(tiny, tmp_path / "r2", [line("b", b)], cache)
+    assert rows["b"]["cached_prompt_tokens"] == shared
+    assert rows["b"]["completion_tokens"] == ref["b"]["completion_tokens"]
+    # the file was cut back to the shared prefix at load, the append continues there
+    assert lengths == [(shared, shared, len(b) + C - 1 - shared)]
+    after, _, _ = saved(tiny, cache, "conv", "f32")
+    assert after.tokens.tolist() == b + rows["b"]["completion_tokens"][:-1]
+    assert np.array_equal(after.l_codes[:, :shared], before.l_codes[:, :shared], equal_nan=True)
+
+
+def test_prompt_shorter_than_the_saved_prefix(tiny, tmp_path, forwarded):
+    cache = tmp_path / "cache"
+    a = prompt(5)
+    run(tiny, tmp_path / "r1", [line("a", a)], cache)
+    ref, _ = run(tiny, tmp_path / "ref", [line("s", a[:15], cache=None)])
+    forwarded.clear()
+    rows, _ = run(tiny, tmp_path / "r2", [line("s", a[:15])], cache)
+    assert rows["s"]["cached_prompt_tokens"] == 14 and sum(forwarded) == 1 + C - 1
+    assert rows["s"]["completion_tokens"] == ref["s"]["completion_tokens"]
+    recs, _, _ = saved(tiny, cache, "conv", "f32")
+    assert recs.tokens.tolist() == a[:15] + rows["s"]["completion_tokens"][:-1]
+
+
+def test_loaded_prefix_longer_than_a_prefill_chunk(tiny, tmp_path, forwarded):
+    """The first chunk rides along with the attach; prefill resumes past the loaded count."""
+    cache = tmp_path / "cache"
+    a = prompt(6, 100)
+    first, _ = run(tiny, tmp_path / "r1", [line("a", a)], cache, prefill_chunk=16)
+    forwarded.clear()
+    rows, _ = run(tiny, tmp_path / "r2", [line("a", a[:60] + prompt(7, 30))], cache,
+                  prefill_chunk=16)
+    assert rows["a"]["cached_prompt_tokens"] == 60
+    assert sum(forwarded) == 30 + C - 1
+    again, _ = run(tiny, tmp_path / "r3", [line("a", a)], cache, prefill_chunk=16)
+    assert again["a"]["cached_prompt_tokens"] == 60  # the second run's file diverged at 60
+    assert again["a"]["completion_tokens"] == first["a"]["completion_tokens"]
+
+
+def test_other_tier_is_rejected_and_starts_clean(tiny, tmp_path, caplog):
+    cache = tmp_path / "cache"
+    toks = prompt(8)
+    run(tiny, tmp_path / "r1", [line("a", toks)], cache, kv="kv8")
+    ref, _ = run(tiny, tmp_path / "ref", [line("a", toks, cache=None)], kv="tq4")
+    with caplog.at_level(logging.WARNING):
+        rows, st = run(tiny, tmp_path / "r2", [line("a", toks)], cache, kv="tq4")
+    msgs = [r.getMessage() for r in caplog.records if "written as kv8" in r.getMessage()]
+    assert len(msgs) == 1 and "starting clean" in msgs[0] and "KV8=1" in msgs[0]
+    assert rows["a"]["cached_prompt_tokens"] == 0
+    assert rows["a"]["completion_tokens"] == ref["a"]["completion_tokens"]
+    assert st.kv_cache["rejected"] == 1 and st.kv_cache["misses"] == 1
+    recs, version, message = saved(tiny, cache, "conv", "tq4")  # replaced as a tq4 file
+    assert version == 3 and message is None
+    assert recs.tokens.tolist() == toks + rows["a"]["completion_tokens"][:-1]
+
+
+def test_f32_file_is_upgraded_and_reused_under_kv8(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    toks = prompt(9)
+    run(tiny, tmp_path / "r1", [line("a", toks)], cache, kv="f32")
+    rows, st = run(tiny, tmp_path / "r2", [line("a", toks)], cache, kv="kv8")
+    assert rows["a"]["cached_prompt_tokens"] == P - 1 and st.kv_cache["upgraded"] == 1
+    recs, version, _ = saved(tiny, cache, "conv", "kv8")
+    assert version == 2 and recs.tokens.tolist() == toks + rows["a"]["completion_tokens"][:-1]
+
+
+def test_coli_format_reuse(tiny, tmp_path, forwarded):
+    cache = tmp_path / "cache"
+    toks = prompt(10)
+    first, _ = run(tiny, tmp_path / "r1", [line("a", toks)], cache, kv="kv8",
+                   kv_cache_format="coli")
+    assert os.path.exists(cache / slot_filename("conv", ".coli_kv"))
+    forwarded.clear()
+    rows, _ = run(tiny, tmp_path / "r2", [line("a", toks)], cache, kv="kv8",
+                  kv_cache_format="coli")
+    assert rows["a"]["cached_prompt_tokens"] == P - 1 and sum(forwarded) == C
+    assert rows["a"]["completion_tokens"] == first["a"]["completion_tokens"]
+
+
+def test_busy_cache_runs_without_reuse(tiny, tmp_path, caplog):
+    cache = tmp_path / "cache"
+    toks = prompt(11)
+    first, _ = run(tiny, tmp_path / "r1", [line("a", toks)], cache)
+    path = cache / slot_filename("conv", ".arrow")
+    size = path.stat().st_size
+    fp = Fingerprint.from_config(ModelConfig.from_file(tiny / "config.json"))
+    with SlotFiles(cache, fp, "f32").open("conv"), caplog.at_level(logging.WARNING):
+        rows, st = run(tiny, tmp_path / "r2", [line("a", toks)], cache)
+    assert rows["a"]["cached_prompt_tokens"] == 0 and st.kv_cache == {"busy": 1}
+    assert rows["a"]["completion_tokens"] == first["a"]["completion_tokens"]
+    assert any("in use by another writer" in r.getMessage() for r in caplog.records)
+    assert path.stat().st_size == size  # the refused writer wrote nothing
+    # two requests of one job on the same cache: one holds it, the other runs without it
+    rows, st = run(tiny, tmp_path / "r3", [line("x", toks), line("y", toks)], cache)
+    assert sorted(r["cached_prompt_tokens"] for r in rows.values()) == [0, P - 1]
+    assert st.kv_cache["busy"] == 1 and st.kv_cache["hits"] == 1
+    assert rows["x"]["completion_tokens"] == rows["y"]["completion_tokens"] \
+        == first["a"]["completion_tokens"]
+
+
+def test_cache_names_stay_inside_the_dir_and_default_to_the_id(tiny, tmp_path):
+    cache = tmp_path / "deep" / "cache"
+    lines = [line("a", prompt(12), cache="../../evil"), line("../b", prompt(13), cache=None)]
+    rows, _ = run(tiny, tmp_path / "r1", lines, cache)
+    names = sorted(p.name for p in cache.iterdir() if p.suffix == ".arrow")
+    assert names == sorted([slot_filename("../../evil", ".arrow"), slot_filename("../b", ".arrow")])
+    assert all(n[0] != "." and "/" not in n for n in names)
+    assert not list(tmp_path.glob("evil*")) and not list((tmp_path / "deep").glob("*.arrow"))
+    rows2, _ = run(tiny, tmp_path / "r2", lines, cache)
+    assert {k: r["cached_prompt_tokens"] for k, r in rows2.items()} == {"a": P - 1, "../b": P - 1}
+
+
+def test_cache_field_validation_and_persistence_off(tiny, tmp_path, caplog):
+    assert parse_line(line("a", [1, 2], cache="c"), 1).cache == "c"
+    for bad in ("", 5, ["c"], "x" * 2000):
+        got = parse_line(json.dumps({"id": "a", "prompt": "hi", "cache": bad}), 3)
+        assert "'cache' must be a non-empty string" in got.error, bad
+    with caplog.at_level(logging.WARNING):
+        rows, st = run(tiny, tmp_path, [line("a", prompt(14))])  # no kv_cache_dir
+    assert rows["a"]["cached_prompt_tokens"] == 0 and st.kv_cache == {}
+    assert any("'cache' fields are ignored" in r.getMessage() for r in caplog.records)
+
+
+def test_env_knob_and_dsa_refused(tiny, tmp_path):
+    cfg = load_job_config(env={"KVFLEET_KV_CACHE_DIR": "rel/dir", "KVFLEET_KV_CACHE_FORMAT": "coli"})
+    assert cfg.kv_cache_dir.is_absolute() and cfg.kv_cache_dir.parts[-2:] == ("rel", "dir")
+    assert cfg.kv_cache_format == "coli" and load_job_config(env={}).kv_cache_dir is None
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mk", ROOT / "scripts" / "make_tiny_model.py")
+    mk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mk)
+    glm = mk.make_tiny_model(tmp_path / "glm", 0, ("glm",))
+    with pytest.raises(JobConfigError, match="does not support DSA models.*index_n_heads="):
+        run(glm, tmp_path, [line("a", prompt(15))], tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_results_written_before_the_column_still_resume(tiny, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    toks = prompt(16)
+    run(tiny, tmp_path, [line("a", toks, cache=None), line("b", toks, cache=None)])
+    t = pq.read_table(tmp_path / "out.parquet")
+    keep = pa.array([i == "a" for i in t.column("id").to_pylist()])
+    old = t.drop_columns(["cached_prompt_tokens"]).filter(keep)  # a file from before the column
+    pq.write_table(old, tmp_path / "old.parquet")
+    write_lines(tmp_path / "old.jsonl", [line("a", toks, cache=None), line("b", toks, cache=None)])
+    cfg = load_job_config(env={}, overrides={"model": str(tiny), "max_context": 128,
+                                             "workers": {"runtime": "inprocess"}})
+    s = run_generate(cfg, tmp_path / "old.jsonl", tmp_path / "old.parquet", progress=False)
+    assert s.skipped == 1 and s.done == 1
+    got = rows_by_id(tmp_path / "old.parquet")
+    assert got["a"]["cached_prompt_tokens"] is None and got["b"]["cached_prompt_tokens"] == 0
+
+
+# -- the worker's row skipping against a plain loop ------------------------------------------
+def test_skip_loaded_matches_a_plain_loop():
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        keys, poss, sample = [], [], []
+        lens = {}
+        for k in rng.permutation(8)[:rng.integers(1, 6)].tolist():
+            p = int(rng.integers(2, 40))
+            lens[k] = p
+            if rng.random() < 0.5:  # a prompt chunk ending the prompt (sampled last row)
+                start = int(rng.integers(0, p))
+                pos = list(range(start, p))
+            else:  # a decode token
+                pos = [p + int(rng.integers(0, 5))]
+            keys += [k] * len(pos)
+            poss += pos
+            sample.append(len(keys) - 1)
+        order = rng.permutation(len(keys))  # rows of a batch come in any order
+        inv = np.argsort(order)
+        keys, poss = np.array(keys)[order], np.array(poss)[order]
+        sample = np.sort(inv[sample])
+        loaded = {k: int(rng.integers(0, lens[k])) for k in lens if rng.random() < 0.7}
+        b = StepBatch(keys=keys.astype(np.int64), tokens=rng.integers(0, 500, len(keys)).astype(np.int32),
+                      positions=poss.astype(np.int32), sample_at=sample.astype(np.int32),
+                      temperature=np.zeros(len(sample), np.float32), top_p=np.ones(len(sample), np.float32),
+                      seed=np.zeros(len(sample), np.uint64), counter=np.zeros(len(sample), np.uint64))
+        got = skip_loaded(b, loaded)
+        rows = [i for i in range(len(keys)) if poss[i] >= loaded.get(int(keys[i]), 0)]
+        assert got.keys.tolist() == keys[rows].tolist()
+        assert got.tokens.tolist() == b.tokens[rows].tolist()
+        assert got.positions.tolist() == poss[rows].tolist()
+        assert got.sample_at.tolist() == [rows.index(i) for i in sample.tolist()]
+    bad = replace(b, keys=np.zeros(3, np.int64), positions=np.arange(3, dtype=np.int32),
+                  tokens=np.zeros(3, np.int32), sample_at=np.array([1], np.int32))
+    with pytest.raises(ValueError, match="covers sampled rows"):
+        skip_loaded(bad, {0: 2})

@@ -1,0 +1,205 @@
+"""Saved KV per conversation on a worker: a sequence resumes from the prefix its slot file
+shares with the prompt, and its KV goes back into that file when it ends.
+
+The scheduler names a sequence's cache (`Prepared.cache`: the request's `cache` field or
+its id) in `StepBatch.attach` with the step that carries its first prompt chunk. Per
+sequence:
+
+    attach   lock the slot file (kvstore/slots.py; a busy file = the request runs without
+             reuse, logged and counted), load it under kvstore's load rules (upgrade /
+             reject with a clean start / self-heal), keep the records whose tokens equal the
+             prompt's first tokens but at most len(prompt) - 1 of them, so the model still
+             computes the last prompt token and its logits (kvstore/prefix.py reuse_prefix;
+             a file holding more is truncated to them), and copy them into the pool slot as
+             stored (no re-encode). The step then drops its prompt rows below that count
+             and `StepOutput.loaded` tells the scheduler where prefill resumes.
+    steps    the tokens the worker forwards are kept by position; `done` is the KV length
+             that completed forwards have written.
+    release  rows [saved, done) -- the rest of the prompt and the completion, minus the last
+             sampled token, which never went through the model -- are appended to the file
+             (one fsync'd append) and the lock is let go.
+
+A DSA model (index_* fields) would need its indexer rows saved too, which the model does
+not compute yet: persistence refuses it (`unsupported_reason`) rather than write fake rows.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from kvstore.cachefile import CacheFile
+from kvstore.fingerprint import Fingerprint
+from kvstore.prefix import from_pool, reuse_prefix, to_pool
+from kvstore.slots import SlotBusyError, SlotFiles
+
+log = logging.getLogger(__name__)
+
+
+def unsupported_reason(cfg) -> str | None:
+    """Why a model (workers.config.ModelConfig) cannot persist its KV, or None."""
+    if getattr(cfg, "index_n_heads", 0):
+        return (f"KV cache persistence (kv_cache_dir) does not support DSA models yet "
+                f"(index_n_heads={cfg.index_n_heads}, index_head_dim={cfg.index_head_dim}): "
+                f"their cache files need the indexer rows, which kvfleet does not compute; "
+                f"unset kv_cache_dir / KVFLEET_KV_CACHE_DIR / --kv-cache-dir")
+    return None
+
+
+@dataclass
+class _Open:
+    """One attached sequence: its locked file and what its slot holds."""
+    name: str
+    stack: ExitStack  # holds the slot file's lock
+    file: CacheFile
+    tokens: np.ndarray  # int32[capacity] the sequence's tokens by position
+    loaded: int  # prompt tokens loaded from the file
+    saved: int  # records in the file, all matching tokens[:saved]
+    done: int  # KV rows [0, done) written by completed forwards (or loaded)
+
+
+class SlotPersist:
+    """The worker's persistence; `files` None = off (attach requests are ignored)."""
+
+    def __init__(self, files: SlotFiles | None, capacity: int):
+        self.files, self.capacity = files, capacity
+        self.events: Counter[str] = Counter()  # drained into StepOutput.cache_events
+        self._open: dict[int, _Open] = {}
+        self._plain: set[int] = set()  # attached keys that run without a file (busy, error)
+        self._warned_off = False
+
+    @classmethod
+    def for_worker(cls, spec, model, pool) -> "SlotPersist":
+        """From WorkerSpec.kv_cache_dir / kv_cache_format; off when the dir is None."""
+        cache_dir = getattr(spec, "kv_cache_dir", None)
+        if cache_dir is None:
+            return cls(None, 0)
+        why = unsupported_reason(model.config)
+        if why:
+            raise ValueError(f"worker {spec.name}: {why}")
+        fp = Fingerprint.from_config(model.config)
+        files = SlotFiles(cache_dir, fp, spec.tier, fmt=getattr(spec, "kv_cache_format", "arrow"))
+        log.info("worker %s: KV cache files in %s (%s, tier %s)", spec.name, cache_dir,
+                 files.cls.__name__, spec.tier)
+        return cls(files, pool.capacity_tokens)
+
+    # -- attach -----------------------------------------------------------------------------
+    def attach(self, batch, pool, slot_of: dict[int, int]) -> tuple[Any, dict[int, int]]:
+        """Load the attached sequences' prefixes into their slots. Returns the batch without
+        the prompt rows the loaded prefixes cover, and {key: prompt tokens loaded}. A rerun
+        of the same batch (cluster/ep_group.py) finds its keys attached and loads nothing."""
+        loaded: dict[int, int] = {}
+        for key, (name, prompt) in batch.attach.items():
+            key = int(key)
+            if key in self._open:
+                loaded[key] = self._open[key].loaded
+            elif key in self._plain:
+                loaded[key] = 0
+            elif self.files is None:
+                loaded[key] = 0
+                if not self._warned_off:
+                    self._warned_off = True
+                    log.warning("cache %r: this worker has no kv_cache_dir; sequences run "
+                                "without saved KV", name)
+            else:
+                loaded[key] = self._attach_one(key, str(name), np.asarray(prompt, np.int32),
+                                               pool, slot_of[key])
+        return skip_loaded(batch, loaded), loaded
+
+    def _attach_one(self, key: int, name: str, prompt: np.ndarray, pool, slot: int) -> int:
+        stack = ExitStack()
+        try:
+            f = stack.enter_context(self.files.open(name))
+        except SlotBusyError as e:
+            log.warning("cache %r: %s; the request runs without its saved prefix", name, e)
+            self.events["busy"] += 1
+            self._plain.add(key)
+            return 0
+        try:
+            recs = reuse_prefix(f, prompt)
+            to_pool(pool, slot, recs)
+        except (OSError, ValueError) as e:  # the request still runs, from its prompt
+            stack.close()
+            pool.truncate(slot, 0)
+            log.error("cache %r (%s): loading failed, the request runs without it: %s",
+                      name, f.path, e)
+            self.events["errors"] += 1
+            self._plain.add(key)
+            return 0
+        n = len(recs)
+        if f.message is not None and (f.plan is None or f.plan.action == "reject"):
+            self.events["rejected"] += 1  # kvstore logged the message (once per load)
+        elif f.plan is not None and f.plan.action == "upgrade":
+            self.events["upgraded"] += 1
+        self.events["hits" if n else "misses"] += 1
+        self.events["loaded_tokens"] += n
+        tokens = np.zeros(self.capacity, np.int32)
+        tokens[:len(prompt)] = prompt
+        self._open[key] = _Open(name, stack, f, tokens, n, f.length(), n)
+        log.debug("cache %r: %d of %d prompt tokens loaded from %s", name, n, len(prompt), f.path)
+        return n
+
+    # -- steps ------------------------------------------------------------------------------
+    def observe(self, batch) -> None:
+        """After a completed forward of `batch`: remember its tokens, advance `done`."""
+        if not self._open or len(batch.keys) == 0:
+            return
+        for key in np.unique(batch.keys).tolist():  # per sequence, not per row
+            o = self._open.get(key)
+            if o is None:
+                continue
+            m = batch.keys == key
+            pos = np.asarray(batch.positions)[m]
+            o.tokens[pos] = np.asarray(batch.tokens)[m]
+            o.done = max(o.done, int(pos.max()) + 1)
+
+    # -- release ----------------------------------------------------------------------------
+    def release(self, key: int, pool, slot: int) -> None:
+        """Append the sequence's new rows to its file and unlock it (before the slot is freed)."""
+        self._plain.discard(key)
+        o = self._open.pop(key, None)
+        if o is None:
+            return
+        with o.stack:
+            if o.done <= o.saved:
+                return
+            try:
+                recs = from_pool(pool, slot, o.tokens[:o.done], start=o.saved, end=o.done)
+                o.file.append(recs, start=o.saved)
+            except OSError as e:  # the output is done; only the saved KV is lost
+                log.error("cache %r (%s): saving %d tokens failed: %s", o.name, o.file.path,
+                          o.done - o.saved, e)
+                self.events["save_errors"] += 1
+                return
+            self.events["saved_tokens"] += o.done - o.saved
+
+    def drain_events(self) -> dict[str, int]:
+        out = dict(self.events)
+        self.events.clear()
+        return out
+
+
+def skip_loaded(batch, loaded: dict[int, int]):
+    """`batch` without the rows of key k at positions below loaded[k] (their KV is in the
+    slot already); sample_at is renumbered. The sampled rows are never dropped: a loaded
+    prefix stops before a prompt's last token."""
+    if not any(loaded.values()) or len(batch.keys) == 0:
+        return batch
+    keys = np.asarray(batch.keys, np.int64)
+    uniq, inv = np.unique(keys, return_inverse=True)
+    lim = np.array([loaded.get(k, 0) for k in uniq.tolist()], np.int64)[inv]
+    keep = np.asarray(batch.positions, np.int64) >= lim
+    if keep.all():
+        return batch
+    at = np.asarray(batch.sample_at, np.int64)
+    if not keep[at].all():
+        raise ValueError(f"a loaded prefix covers sampled rows {at[~keep[at]].tolist()} "
+                         f"(loaded {loaded})")
+    new_index = np.cumsum(keep) - 1
+    return replace(batch, keys=keys[keep], tokens=np.asarray(batch.tokens)[keep],
+                   positions=np.asarray(batch.positions)[keep],
+                   sample_at=new_index[at].astype(np.int32))
