@@ -9,6 +9,11 @@ whole run, decode tokens per second, and per decode step the model's forward tim
 time outside it (scheduler + worker sampling/slot mapping [+ Ray round trip with --ray]),
 of which the scheduler's own Python. Without --model it uses models/kvfleet-mini when
 present, else a tiny checkpoint from scripts/make_tiny_model.py.
+
+On a shared, loaded machine compare like with like: a Ray actor with num_cpus=1 runs with
+OMP_NUM_THREADS=1 in its own session (Linux autogroup scheduling gives each session an
+equal CPU share), so run the in-process side the same way:
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 setsid -w python scripts/bench_generate.py --ray
 """
 from __future__ import annotations
 
