@@ -1,11 +1,17 @@
 """The tq4/polar rotation y = H(D x) and its inverse x = D H(y) with MLX ops, bit-identical
 to kernels/cpu/rotation.py (DESIGN.md "KV tiers").
 
-Every step is a float32 multiply by +-1, an elementwise add or subtract, or the one multiply
-by float32(1)/sqrtf(n) at the end (computed on the host in numpy float32, so the constant is
-the same bits on every backend). The butterfly stages are separate MLX ops in the contract's
-order; nothing here is wrapped in mx.compile, because a fused kernel may contract or
-reassociate float ops, and these results are part of the byte contract.
+`butterfly` is the contract written as MLX ops: a float32 multiply by +-1, the radix-2
+stages (len = 1, 2, ..., n/2) as separate elementwise adds and subtracts, then one multiply
+by float32(1)/sqrtf(n) (computed on the host in numpy float32). Not wrapped in mx.compile:
+a fused kernel could contract or reassociate float ops.
+
+MLX's own mx.hadamard_transform is the same transform in one kernel, about 10x faster, but
+its add order is MLX's business. So `hadamard` uses it only where it was seen to give the
+butterfly's bits: once per (width, device) it transforms 65,536 values of wide dynamic
+range both ways and compares every bit (a different add order would differ on a large share
+of them); otherwise it runs the butterfly. On the Linux CPU backend they agree; on Metal the
+check decides at first use.
 """
 from __future__ import annotations
 
@@ -23,11 +29,35 @@ def _constants(n: int) -> tuple[mx.array, float]:
     return mx.array(ref.signs(n)), inv_sqrt_n
 
 
-def hadamard(a: mx.array) -> mx.array:
-    """H on the last axis: radix-2 butterfly stages len = 1, 2, ..., n/2, then * 1/sqrt(n)."""
-    n = a.shape[-1]
+def _check(n: int) -> None:
     if not ref.rotatable(n):
         raise ValueError(f"rotation width {n=} must be a power of two in 2..{ref.MAX_WIDTH}")
+
+
+@lru_cache(maxsize=None)
+def _native_is_exact(n: int, device: str) -> bool:
+    """Does mx.hadamard_transform give the butterfly's bits at width n on `device`?"""
+    rng = np.random.default_rng(n)
+    rows = max(1, 65536 // n)
+    x = rng.standard_normal((rows, n)) * np.exp(rng.uniform(-30, 30, (rows, 1)))
+    a = mx.array(x.astype(np.float32))
+    fast = np.array(mx.hadamard_transform(a, scale=_constants(n)[1]))
+    return bool(np.array_equal(fast.view(np.uint32), np.array(butterfly(a)).view(np.uint32)))
+
+
+def hadamard(a: mx.array) -> mx.array:
+    """H on the last axis, bit-identical to the contract's butterfly (see the module doc)."""
+    n = a.shape[-1]
+    _check(n)
+    if _native_is_exact(n, str(mx.default_device())):
+        return mx.hadamard_transform(a.astype(mx.float32), scale=_constants(n)[1])
+    return butterfly(a)
+
+
+def butterfly(a: mx.array) -> mx.array:
+    """H as the contract writes it: radix-2 stages len = 1, 2, ..., n/2, then * 1/sqrt(n)."""
+    n = a.shape[-1]
+    _check(n)
     lead = a.shape[:-1]
     h = 1
     while h < n:
@@ -41,8 +71,7 @@ def hadamard(a: mx.array) -> mx.array:
 def rotate(x: mx.array) -> mx.array:
     """y = H(D x) on the last axis (float32)."""
     n = x.shape[-1]
-    if not ref.rotatable(n):
-        raise ValueError(f"rotation width {n=} must be a power of two in 2..{ref.MAX_WIDTH}")
+    _check(n)
     return hadamard(x.astype(mx.float32) * _constants(n)[0])
 
 

@@ -9,8 +9,8 @@ contract's loop order -- and the per-row divide sqrtf(n)/norm runs there too (co
 rounded IEEE division). On a Mac the CPU stream reads the same unified memory, so this costs
 one pass over the rows on the CPU, no copy. Everything else (rotation, nearest level,
 nibble packing) is float32 multiply/add/compare and integer ops on the compute device.
-Only the nearest-level search is fused with mx.compile (it has no multiply that could be
-contracted into an fma); the rotation and the scaling stay separate ops.
+The nearest level is a count of float32 thresholds passed (exact: see _thresholds), fused
+with mx.compile since it is compares and integer adds only; the scaling stays a separate op.
 """
 from __future__ import annotations
 
@@ -31,25 +31,54 @@ def row_norms(x: mx.array) -> mx.array:
     return mx.sqrt(acc[:, -1], stream=mx.cpu).astype(mx.float32, stream=mx.cpu)
 
 
+def _ordinal(f: np.float32) -> int:
+    """float32 -> integer with the same order (negative floats mirrored below zero)."""
+    b = int(np.array([f], np.float32).view(np.int32)[0])
+    return -(b & 0x7FFFFFFF) if b < 0 else b
+
+
+def _from_ordinal(o: int) -> np.float32:
+    b = o if o >= 0 else (-o) | 0x80000000
+    return np.array([b], np.uint32).view(np.float32)[0]
+
+
+def _thresholds() -> np.ndarray:
+    """t[k] = the least float32 v with |v - L[k+1]| < |v - L[k]| (float32 distances), found by
+    bisection on the float32 order between L[k] and L[k+1]. Within that bracket the test is
+    monotone (fl(v - L[k]) never decreases, fl(L[k+1] - v) never increases), so for every
+    finite v the contract's scan gives code = #{k : v >= t[k]} -- except far above L[15],
+    where fl(v - 2.733) and fl(v - 2.069) round to the same float and the tie keeps index
+    14: that happens exactly from _TIE_ABOVE on (checked exhaustively over [2^22, 2^28);
+    beyond, both round to v itself)."""
+    L = ref.LEVELS
+    out = []
+    for k in range(15):
+        lo, hi = _ordinal(L[k]), _ordinal(L[k + 1])  # the test is false at lo, true at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            v = _from_ordinal(mid)
+            if np.abs(v - L[k + 1]) < np.abs(v - L[k]):
+                hi = mid
+            else:
+                lo = mid
+        out.append(_from_ordinal(hi))
+    return np.array(out, np.float32)
+
+
+_THRESHOLDS = [float(t) for t in _thresholds()]
+_TIE_ABOVE = 16777220.0  # 2^24 + 4: from here on the top two distances round equal
+
+
 def _nearest(v: mx.array, bits: mx.array) -> mx.array:
-    # lo = last level <= v (clamped to 0..14) and its two bracketing levels, by a chain of
-    # compares against constants -- elementwise only, so the fused kernel is one pass
-    lv = [float(a) for a in ref.LEVELS]
-    ge = v >= lv[1]  # no arrays built from v.shape: the trace is shapeless
-    lo = ge.astype(mx.uint8)
-    lo_lv, hi_lv = mx.where(ge, lv[1], lv[0]), mx.where(ge, lv[2], lv[1])
-    for k in range(2, 15):
-        ge = v >= lv[k]
-        lo = lo + ge.astype(mx.uint8)
-        lo_lv = mx.where(ge, lv[k], lo_lv)
-        hi_lv = mx.where(ge, lv[k + 1], hi_lv)
-    code = lo + (mx.abs(v - hi_lv) < mx.abs(v - lo_lv)).astype(mx.uint8)
+    code = (v >= _THRESHOLDS[0]).astype(mx.uint8)
+    for t in _THRESHOLDS[1:]:
+        code = code + (v >= t).astype(mx.uint8)
+    code = code - (v >= _TIE_ABOVE).astype(mx.uint8)
     finite = (bits & 0x7FFFFFFF) < 0x7F800000  # bit test on v's pattern: safe under fast math
     return mx.where(finite, code, mx.array(0, mx.uint8))
 
 
-# v is an input of the fused kernel and it only subtracts, compares and selects: no multiply
-# feeds an add inside it, so fusion cannot contract anything into an fma.
+# compares and integer adds only (no float arithmetic to contract or relax): safe to fuse
 _nearest_fused = mx.compile(_nearest, shapeless=True)
 
 

@@ -91,6 +91,10 @@ def test_tq4_nearest_level_ties_and_specials():
     v = np.concatenate([mids, np.nextafter(mids, np.float32(-9)), np.nextafter(mids, np.float32(9)),
                         cpu_tq4.LEVELS, [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30]]
                        ).astype(np.float32)
+    t = np.array(tq4._THRESHOLDS + [tq4._TIE_ABOVE], np.float32)  # every decision edge
+    big = np.arange(2 ** 23 - 64, 2 ** 24 + 4096, 0.5, dtype=np.float32)
+    v = np.concatenate([v, t, np.nextafter(t, np.float32(-np.inf)), np.nextafter(t, np.float32(np.inf)),
+                        big, -big, np.float32(2.0) ** np.arange(-149, 128, dtype=np.float32)])
     v = np.concatenate([v, np.random.default_rng(5).standard_normal(10000).astype(np.float32) * 2])
     got = np.array(tq4.nearest_level(mx.array(v)))
     np.testing.assert_array_equal(got, cpu_tq4.nearest_level(v))
@@ -119,8 +123,21 @@ def test_rotation_bit_identical(n):
                                   bits(cpu_rot.rotate(x)))
     np.testing.assert_array_equal(bits(np.array(rotation.unrotate(mx.array(x)))),
                                   bits(cpu_rot.unrotate(x)))
+    np.testing.assert_array_equal(bits(np.array(rotation.butterfly(mx.array(x)))),
+                                  bits(cpu_rot.hadamard(x)))
     with pytest.raises(ValueError, match="n=12"):
         rotation.rotate(mx.zeros((1, 12)))
+
+
+def test_tq4_encode_exact_on_the_butterfly_path_too(monkeypatch):
+    """Where MLX's Walsh-Hadamard kernel does not match (it may not on Metal) the butterfly
+    serves: the codes must be the same either way."""
+    monkeypatch.setattr(rotation, "_native_is_exact", lambda n, device: False)
+    x = hostile_rows(np.random.default_rng(17), 64, 256)
+    c_ref, s_ref = cpu_codecs.encode_rows("tq4", x.copy())
+    c, s = codecs.encode_rows("tq4", mx.array(x))
+    np.testing.assert_array_equal(np.array(c), c_ref)
+    np.testing.assert_array_equal(bits(np.array(s)), bits(s_ref))
 
 
 def test_polar_goes_through_numpy_and_is_counted():
