@@ -7,17 +7,26 @@ sequence:
 
     attach   lock the slot file (kvstore/slots.py; a busy file = the request runs without
              reuse, logged and counted), load it under kvstore's load rules (upgrade /
-             reject with a clean start / self-heal), keep the records whose tokens equal the
+             reject with a clean start / self-heal), take the records whose tokens equal the
              prompt's first tokens but at most len(prompt) - 1 of them, so the model still
-             computes the last prompt token and its logits (kvstore/prefix.py reuse_prefix;
-             a file holding more is truncated to them), and copy them into the pool slot as
-             stored (no re-encode). The step then drops its prompt rows below that count
-             and `StepOutput.loaded` tells the scheduler where prefill resumes.
+             computes the last prompt token and its logits, and copy them into the pool slot
+             as stored (kvstore/prefix.py to_pool: no re-encode). The step then drops its
+             prompt rows below that count and `StepOutput.loaded` tells the scheduler where
+             prefill resumes.
     steps    the tokens the worker forwards are kept by position; `done` is the KV length
              that completed forwards have written.
-    release  rows [saved, done) -- the rest of the prompt and the completion, minus the last
-             sampled token, which never went through the model -- are appended to the file
-             (one fsync'd append) and the lock is let go.
+    release  the file is made to hold the sequence's tokens [0, done) -- the prompt and the
+             completion minus the last sampled token, which never went through the model:
+             it is cut back to the longest prefix it shares with them (a prompt that
+             diverged or shrank truncates it) and the rows past that are appended (one
+             fsync'd append); then the lock is let go.
+
+The cut happens at release, not at attach: a rerun of the same prompt that produces the
+same tokens finds the file already right and writes nothing (no partial-batch rewrite, no
+fsync), and a request that fails leaves the saved conversation whole. Rows the file keeps
+past the loaded prefix have the same tokens as the recomputed ones (same cache contents up
+to float rounding of the batch shape). A file that load upgraded (v1 under a quantized
+tier) or found torn is always written at release, so it is rewritten / healed.
 
 A DSA model (index_* fields) would need its indexer rows saved too, which the model does
 not compute yet: persistence refuses it (`unsupported_reason`) rather than write fake rows.
@@ -34,7 +43,7 @@ import numpy as np
 
 from kvstore.cachefile import CacheFile
 from kvstore.fingerprint import Fingerprint
-from kvstore.prefix import from_pool, reuse_prefix, to_pool
+from kvstore.prefix import common_prefix, from_pool, to_pool
 from kvstore.slots import SlotBusyError, SlotFiles
 
 log = logging.getLogger(__name__)
@@ -58,7 +67,8 @@ class _Open:
     file: CacheFile
     tokens: np.ndarray  # int32[capacity] the sequence's tokens by position
     loaded: int  # prompt tokens loaded from the file
-    saved: int  # records in the file, all matching tokens[:saved]
+    saved: np.ndarray  # int32 tokens of the records in the file
+    rewrite: bool  # load upgraded or self-healed the file: write it at release even if unchanged
     done: int  # KV rows [0, done) written by completed forwards (or loaded)
 
 
@@ -120,8 +130,9 @@ class SlotPersist:
             self._plain.add(key)
             return 0
         try:
-            recs = reuse_prefix(f, prompt)
-            to_pool(pool, slot, recs)
+            recs = f.load()
+            n = min(common_prefix(recs.tokens, prompt), len(prompt) - 1)
+            to_pool(pool, slot, recs.slice(0, n))
         except (OSError, ValueError) as e:  # the request still runs, from its prompt
             stack.close()
             pool.truncate(slot, 0)
@@ -130,8 +141,8 @@ class SlotPersist:
             self.events["errors"] += 1
             self._plain.add(key)
             return 0
-        n = len(recs)
-        if f.message is not None and (f.plan is None or f.plan.action == "reject"):
+        rejected = f.message is not None and (f.plan is None or f.plan.action == "reject")
+        if rejected:
             self.events["rejected"] += 1  # kvstore logged the message (once per load)
         elif f.plan is not None and f.plan.action == "upgrade":
             self.events["upgraded"] += 1
@@ -139,7 +150,8 @@ class SlotPersist:
         self.events["loaded_tokens"] += n
         tokens = np.zeros(self.capacity, np.int32)
         tokens[:len(prompt)] = prompt
-        self._open[key] = _Open(name, stack, f, tokens, n, f.length(), n)
+        self._open[key] = _Open(name, stack, f, tokens, n, np.array(recs.tokens, np.int32),
+                                f.message is not None and not rejected, n)
         log.debug("cache %r: %d of %d prompt tokens loaded from %s", name, n, len(prompt), f.path)
         return n
 
@@ -165,17 +177,21 @@ class SlotPersist:
         if o is None:
             return
         with o.stack:
-            if o.done <= o.saved:
-                return
+            c = common_prefix(o.saved, o.tokens[:o.done])
+            if c == o.done and not o.rewrite:
+                return  # the file holds the whole sequence already
+            start = c if c < o.done else None  # None: keep every record (an upgrade or heal)
             try:
-                recs = from_pool(pool, slot, o.tokens[:o.done], start=o.saved, end=o.done)
-                o.file.append(recs, start=o.saved)
+                recs = from_pool(pool, slot, o.tokens[:o.done], start=c, end=o.done)
+                o.file.append(recs, start=start)
             except OSError as e:  # the output is done; only the saved KV is lost
                 log.error("cache %r (%s): saving %d tokens failed: %s", o.name, o.file.path,
-                          o.done - o.saved, e)
+                          o.done - c, e)
                 self.events["save_errors"] += 1
                 return
-            self.events["saved_tokens"] += o.done - o.saved
+            self.events["saved_tokens"] += o.done - c
+            if c < min(o.done, len(o.saved)):
+                self.events["truncated"] += 1  # the file had diverged from the sequence at c
 
     def drain_events(self) -> dict[str, int]:
         out = dict(self.events)

@@ -100,17 +100,16 @@ def test_second_run_loads_the_prompt_and_gives_the_same_tokens(tiny, tmp_path, f
     assert recs.tokens.tolist() == toks + comp[:-1]
     assert version == {"f32": 1, "kv8": 2, "tq4": 3}[tier]
 
+    path = cache / slot_filename("conv", ".arrow")
+    data = path.read_bytes()
     forwarded.clear()
     second, st2 = run(tiny, tmp_path / "r2", [line("a", toks)], cache, kv=tier)
     assert second["a"]["cached_prompt_tokens"] == P - 1
     assert sum(forwarded) == 1 + (C - 1), forwarded  # last prompt token + decode tokens
     assert second["a"]["completion_tokens"] == comp
-    assert st2.kv_cache["hits"] == 1 and st2.kv_cache["loaded_tokens"] == P - 1
-    again, _, _ = saved(tiny, cache, "conv", tier)
-    assert again.tokens.tolist() == toks + comp[:-1]
-    # the reused prefix is the first run's bytes, untouched
-    for a, b in ((recs.l_codes, again.l_codes), (recs.r_scale, again.r_scale)):
-        assert np.array_equal(a[:, :P - 1], b[:, :P - 1], equal_nan=True)
+    # same tokens again: the file already holds them and is left as it was
+    assert st2.kv_cache == {"hits": 1, "loaded_tokens": P - 1}
+    assert path.read_bytes() == data
 
 
 def test_conversation_continues_from_the_whole_saved_turn(tiny, tmp_path, forwarded):
@@ -141,11 +140,12 @@ def test_shrinking_prefix_truncates_the_file_then_appends(tiny, tmp_path, monkey
         return real(self, recs, start)
     monkeypatch.setattr(ArrowKVFile, "append", spy)
     ref, _ = run(tiny, tmp_path / "ref", [line("b", b, cache=None)])
-    rows, _ = run(tiny, tmp_path / "r2", [line("b", b)], cache)
+    rows, st = run(tiny, tmp_path / "r2", [line("b", b)], cache)
     assert rows["b"]["cached_prompt_tokens"] == shared
     assert rows["b"]["completion_tokens"] == ref["b"]["completion_tokens"]
-    # the file was cut back to the shared prefix at load, the append continues there
-    assert lengths == [(shared, shared, len(b) + C - 1 - shared)]
+    # the file is cut back to the shared prefix and the rest appended there, at release
+    assert lengths == [(P + C - 1, shared, len(b) + C - 1 - shared)]
+    assert st.kv_cache["truncated"] == 1 and st.kv_cache["saved_tokens"] == lengths[0][2]
     after, _, _ = saved(tiny, cache, "conv", "f32")
     assert after.tokens.tolist() == b + rows["b"]["completion_tokens"][:-1]
     assert np.array_equal(after.l_codes[:, :shared], before.l_codes[:, :shared], equal_nan=True)
@@ -331,3 +331,43 @@ def test_skip_loaded_matches_a_plain_loop():
                   tokens=np.zeros(3, np.int32), sample_at=np.array([1], np.int32))
     with pytest.raises(ValueError, match="covers sampled rows"):
         skip_loaded(bad, {0: 2})
+
+
+def test_a_sequence_that_computed_nothing_leaves_the_file_whole(tmp_path):
+    """attach (truncating nothing) then release without a completed forward: no write."""
+    from kvstore.pool import KVPool
+    from kvstore.records import RecordLayout
+    from workers.persist import SlotPersist
+    fp = Fingerprint(3, 512, 64, 0, 0, 1000)
+    files = SlotFiles(tmp_path, fp, "kv8")
+    rng = np.random.default_rng(3)
+    old = RecordLayout(fp, "kv8").allocate(30)
+    old.tokens[:] = rng.integers(0, 1000, 30)
+    for codes in (old.l_codes, old.r_codes):
+        codes[:] = rng.integers(0, 0x7F, codes.shape)  # valid e4m3 codes, both signs below
+        codes[:] |= rng.integers(0, 2, codes.shape).astype(np.uint8) << 7
+    for scale in (old.l_scale, old.r_scale):
+        scale[:] = rng.uniform(1e-3, 10, scale.shape)
+    with files.open("c") as f:
+        f.load()
+        f.append(old)
+    data = (tmp_path / "c.arrow").read_bytes()
+    pool = KVPool(3, 512, 64, "kv8", n_blocks=8, block_size=16, max_slots=1)
+    slot = pool.alloc_slot()
+    persist = SlotPersist(files, pool.capacity_tokens)
+    prompt = np.concatenate([old.tokens[:10], [7, 8, 9]]).astype(np.int32)
+    b = StepBatch(keys=np.zeros(13, np.int64), tokens=prompt, positions=np.arange(13, dtype=np.int32),
+                  sample_at=np.array([12], np.int32), temperature=np.zeros(1, np.float32),
+                  top_p=np.ones(1, np.float32), seed=np.zeros(1, np.uint64),
+                  counter=np.zeros(1, np.uint64), attach={0: ("c", prompt)})
+    got, loaded = persist.attach(b, pool, {0: slot})
+    assert loaded == {0: 10} and got.positions.tolist() == [10, 11, 12]
+    assert got.sample_at.tolist() == [2] and pool.length(slot) == 10
+    lc, ls, rc, rs = pool.read_rows(slot, 1)  # the file's codes, as stored
+    assert np.array_equal(lc, old.l_codes[1, :10]) and np.array_equal(rs, old.r_scale[1, :10])
+    assert persist.attach(b, pool, {0: slot})[1] == {0: 10}  # a rerun loads nothing again
+    persist.release(0, pool, slot)  # the step failed: nothing computed past the prefix
+    assert (tmp_path / "c.arrow").read_bytes() == data
+    assert persist.drain_events() == {"hits": 1, "loaded_tokens": 10}
+    with files.open("c"):  # the lock was let go
+        pass
