@@ -32,7 +32,7 @@ import numpy as np
 
 from cluster.config import JobConfig, JobConfigError
 from cluster.metrics import JobMetrics
-from workers.actor import StepBatch, StepOutput, WorkerSpec
+from workers.actor import StepBatch, StepOutput, WorkerSpec  # noqa: F401 (types)
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ def _options(kind: str, num_cpus: float, resources: dict[str, float],
 
 
 def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
-    return WorkerSpec(name=name, model=cfg.model_ref(), tier=cfg.kv, slots=slots,
-                      max_context=cfg.max_context, block_size=cfg.block_size)
+    from cluster.jobs.generate import _spec as job_spec  # one place builds a WorkerSpec
+    return job_spec(cfg, name, slots)
 
 
 def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[dict], int]:
@@ -130,6 +130,7 @@ class ShardedGroup:
         self.dead: set[int] = set()
         self.deaths = self.recoveries = self.experts_moved = 0
         self.stats_every_s, self._stats_t = stats_every_s, 0.0
+        self.final_stats: list[dict] = []  # worker_stats() as close() found them
         tag = uuid.uuid4().hex[:6]
         cls = ray.remote(concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS})(ShardedWorker)
         self.actors = [cls.options(name=f"kvfleet-{tag}-{p.spec.name.replace('/', '.')}",
@@ -271,7 +272,8 @@ class ShardedGroup:
     def close(self) -> None:
         import ray
         try:
-            for s in self.worker_stats():
+            self.final_stats = self.worker_stats()
+            for s in self.final_stats:
                 log.info("worker %s (%s): %d experts held, hit rate %s, %d picks served for "
                          "peers, rss %.0f MB", s["name"], s["device"], s["expert_pins"],
                          "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
@@ -289,7 +291,8 @@ def start_group(cfg: JobConfig):
     placements = fleet_placements(cfg)
     sharded = cfg.workers.experts == "sharded"
     if cfg.workers.runtime == "inprocess":
-        return local_group(cfg, placements, sharded), lambda: None
+        group = local_group(cfg, placements, sharded)
+        return group, lambda: setattr(group, "final_stats", [w.stats() for w in group.workers])
     import ray
     from cluster.jobs.generate import connect_ray
     started = connect_ray(cfg, [(p.spec, p.options) for p in placements])

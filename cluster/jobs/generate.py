@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ class Summary:
     tokens: int
     wall_s: float
     stats: SchedulerStats
+    workers: list[dict] = field(default_factory=list)  # per-worker stats at the end, where
+    # the group keeps them (cluster/ep_group.py: experts held, hit rate, RSS, device memory)
 
     def line(self) -> str:
         tps = self.stats.tokens / self.stats.wall_s if self.stats.wall_s else 0.0
@@ -91,6 +93,7 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     for bad in errors:
         emit(Result.failed(bad, cfg.kv))
     stats = SchedulerStats()
+    group = None
     if items:
         group, close = _start_workers(cfg)
         try:  # a group that keeps metrics (cluster/ep_group.py) shares them
@@ -109,7 +112,7 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         log.info("KV cache %s: %s", cfg.kv_cache_dir,
                  ", ".join(f"{k} {v}" for k, v in sorted(stats.kv_cache.items())))
     s = Summary(Path(out), written["n"], written["errors"], skipped, stats.tokens,
-                time.perf_counter() - t0, stats)
+                time.perf_counter() - t0, stats, list(getattr(group, "final_stats", [])))
     log.info("generate: %s", s.line())
     return s
 

@@ -16,7 +16,7 @@ from cluster.jobs.generate import run_generate
 from fleet_cluster import fleet_yaml, start_cluster, stop_cluster
 from runtime_helpers import make_tiny, prompt_lines, rows_by_id, write_lines
 
-N = 30
+N = 20
 VICTIM = "cuda-b/cuda0"
 
 
@@ -30,7 +30,7 @@ def config(tiny, **kw):
 @pytest.mark.slow
 def test_killed_worker_loses_no_request(tmp_path, caplog):
     tiny = make_tiny(tmp_path / "tiny")
-    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N, seed=2, max_tokens=18))
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N, seed=2, max_tokens=14))
     run_generate(config(tiny), prompts, tmp_path / "ref.parquet", progress=False)
     reference = rows_by_id(tmp_path / "ref.parquet")
 
@@ -68,6 +68,8 @@ def test_killed_worker_loses_no_request(tmp_path, caplog):
     for k, r in reference.items():
         assert rows[k]["completion_tokens"] == r["completion_tokens"], k
     assert s.stats.worker_deaths == 1 and s.stats.recoveries == 1 and s.stats.requeued >= 1
+    assert [w["name"] for w in s.workers] == ["cuda-a/cuda0", "mac/metal0"]  # the survivors
+    assert sum(w["expert_pins"] for w in s.workers) == 16  # they hold every expert again
     assert not any(r["worker"] == VICTIM for r in rows.values() if r["id"] in requeued_ids(caplog))
     text = caplog.text
     assert f"worker {VICTIM} died" in text and "re-queueing its" in text

@@ -120,6 +120,9 @@ def test_inprocess_sharded_job_matches_single_worker(tiny, tmp_path, reference):
     s = run_generate(cfg, prompts, tmp_path / "out.parquet", progress=False)
     rows = rows_by_id(tmp_path / "out.parquet")
     assert s.errors == 0 and len(rows) == N
+    assert [w["name"] for w in s.workers] == ["worker0", "worker1", "worker2"]
+    assert sum(w["expert_pins"] for w in s.workers) == 16  # 8 experts x 2 MoE layers, once each
+    assert all(w["rss_bytes"] > 0 and 0 <= w["expert_hit_rate"] <= 1 for w in s.workers)
     assert {r["worker"] for r in rows.values()} == {"worker0", "worker1", "worker2"}
     for k, r in reference.items():
         assert rows[k]["completion_tokens"] == r["completion_tokens"], k
