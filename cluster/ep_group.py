@@ -55,7 +55,7 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
     from cluster.footprint import Footprint
     w = cfg.workers
     if w.fleet is None:
-        opts = _options("cpu", w.num_cpus, w.resources, w.label_selector)
+        opts = _options("cpu", w.num_cpus, w.resources, w.label_selector, default_resource=False)
         return [Placement(_spec(cfg, f"worker{i}", cfg.slots), "cpu", opts, 1)
                 for i in range(w.count)]
     from cluster.fleet import Fleet, FleetError, device_budgets
@@ -78,10 +78,12 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
     return out
 
 
-def _options(kind: str, num_cpus: float, resources: dict[str, float],
-             labels: dict[str, str]) -> dict[str, Any]:
-    opts: dict[str, Any] = {"num_cpus": num_cpus,
-                            "resources": dict(resources) or {f"kvfleet_{kind}": 1.0}}
+def _options(kind: str, num_cpus: float, resources: dict[str, float], labels: dict[str, str],
+             default_resource: bool = True) -> dict[str, Any]:
+    """Ray actor options; a fleet device with no resources of its own asks for kvfleet_<kind>."""
+    opts: dict[str, Any] = {"num_cpus": num_cpus}
+    if resources or default_resource:
+        opts["resources"] = dict(resources) or {f"kvfleet_{kind}": 1.0}
     if labels:
         opts["label_selector"] = dict(labels)
     if kind == "cuda":

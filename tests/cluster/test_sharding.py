@@ -194,3 +194,33 @@ def test_three_node_fleet_sharded_matches_single_worker(tiny, tmp_path, referenc
             assert 0 < group.metrics.local[f"expert_hit_rate[{s['name']}]"] < 1
     finally:
         stop_cluster(c, ray)
+
+
+def test_placements_by_kind_resource_and_admission_by_capacity(tiny, tmp_path):
+    """Fleet devices without resources ask for kvfleet_<kind> (cuda adds a GPU only beside
+    it); new requests go to the worker with the largest free share of its slots."""
+    from cluster.ep_group import fleet_placements
+    from scheduler_fakes import EOS, FakeModel, FakePool, decode
+    from test_scheduler import prep, prompts
+    from workers.actor import Worker
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("nodes:\n"
+                     "  - {name: g, kind: cuda, devices: 2, memory: 80, slots: 4}\n"
+                     "  - {name: h, kind: cpu, memory: 64, slots: 2, resources: {bigmem: 1}, labels: {zone: b}}\n"
+                     "  - {name: m, kind: metal, memory: 64, slots: 2}\n")
+    pl = fleet_placements(config(tiny, workers={"fleet": str(fleet)}))
+    assert [(p.spec.name, p.kind, p.spec.slots) for p in pl] == [
+        ("g/cuda0", "cuda", 4), ("g/cuda1", "cuda", 4), ("h/cpu0", "cpu", 2), ("m/metal0", "metal", 2)]
+    assert pl[0].options == {"num_cpus": 1.0, "resources": {"kvfleet_cuda": 1.0}, "num_gpus": 1}
+    assert pl[2].options == {"num_cpus": 1.0, "resources": {"bigmem": 1.0}, "label_selector": {"zone": "b"}}
+    assert pl[3].options == {"num_cpus": 1.0, "resources": {"kvfleet_metal": 1.0}}
+    assert all(p.expert_room > 0 for p in pl)
+    plain = fleet_placements(config(tiny, workers={"count": 2}))
+    assert [p.options for p in plain] == [{"num_cpus": 1.0}] * 2  # no fleet: nothing invented
+    group = LocalGroup([Worker(WorkerSpec(f"w{i}", "fake", "f32", c, 64), model=FakeModel(),
+                               pool=FakePool(c, 64)) for i, c in enumerate((4, 2, 2))])
+    sched = Scheduler(group, max_context=64, prefill_chunk=8, eos_ids=[EOS], decode=decode, tier="f32")
+    from collections import deque
+    waiting, active = deque(prep(i, p) for i, p in enumerate(prompts(4))), []
+    sched._admit(waiting, active)
+    assert [s.worker for s in active] == [0, 1, 2, 0]  # 2 : 1 : 1 for capacities 4 : 2 : 2
