@@ -4,10 +4,11 @@ kernels/cpu/fp8.py (the contract is in DESIGN.md "KV tiers" and that module's do
 The encoder works on float32 bit patterns with integer ops, as the numpy one does: RNE to
 3 mantissa bits is (m + 0x7FFFF + lsb) >> 20, the exponent rebias subtracts 120 << 3, values
 below 2^-6 take the subnormal code rint(a * 2^9), above 448 (and Inf) saturate to 0x7E, NaN
-encodes to 0x00 -- all on the integer bits, the subnormal rint included. Per row, only max/abs/multiply and bit ops run on the compute device; the
-two per-row divisions (448/amax and amax/448) run on the CPU stream, where IEEE division is
-correctly rounded (Metal's fast-math division need not be). NaN is found by bit tests, not
-isnan (which fast math may fold away). `enc` is fused with mx.compile: it is integer-only.
+encodes to 0x00 -- all on the integer bits except the subnormal rint. Per row, only
+max/abs/multiply and bit ops run on the compute device; the two per-row divisions
+(448/amax and amax/448) run on the CPU stream, where IEEE division is correctly rounded
+(Metal's fast-math division need not be). NaN is found by bit tests, not
+isnan (which fast math may fold away). `enc` has no float add, so it may be fused.
 """
 from __future__ import annotations
 
@@ -35,33 +36,33 @@ def row_scale(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     return live, inv, scale
 
 
-def _enc(u: mx.array) -> mx.array:
-    """enc() on the uint32 bit patterns of float32 values; integer ops only."""
+def _enc(u: mx.array, f: mx.array) -> mx.array:
+    """enc() from the uint32 bit patterns u of the float32 values f (both passed, since a
+    bit view cannot sit inside a shapeless fused kernel)."""
     m = u & 0x7FFFFFFF
     sign = (u >> 24) & 0x80
     normal = ((m + 0x7FFFF + ((m >> 20) & 1)) >> 20) - (120 << 3)
-    # below 2^-6 the code is rint(a * 2^9): the significand (implicit bit included) shifted
-    # right by 141 - biased exponent, rounded half to even (shifts of 25+ leave 0)
-    sig = (m & 0x7FFFFF) | mx.where(m >= 0x800000, 0x800000, 0).astype(mx.uint32)
-    sh = mx.clip(141 - (m >> 23).astype(mx.int32), 1, 25).astype(mx.uint32)
-    q = sig >> sh
-    rem = sig & ((mx.array(1, mx.uint32) << sh) - 1)
-    half = mx.array(1, mx.uint32) << (sh - 1)
-    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(mx.uint32)
-    code = mx.where(m < 0x3C800000, sub, normal)      # below 2^-6: subnormal code
-    code = mx.where(m > 0x43E00000, 0x7E, code)         # > 448 and Inf saturate
-    code = mx.where(m > 0x7F800000, 0, code | sign)     # NaN -> 0x00
+    # below 2^-6: rint(|f| * 2^9); the multiply by a power of two is exact and rint rounds
+    # half to even in IEEE and fast-math modes alike (flushed subnormals give 0 either way)
+    sub = mx.round(mx.abs(f) * 512.0).astype(mx.uint32)
+    code = mx.where(m < 0x3C800000, sub, normal)        # below 2^-6: subnormal code
+    code = mx.where(m > 0x43E00000, 0x7E, code)          # > 448 and Inf saturate
+    code = mx.where(m > 0x7F800000, 0, code | sign)      # NaN -> 0x00
     return code.astype(mx.uint8)
 
 
-# Integer ops only: fusing them cannot change a bit (no float op to contract or relax), and
-# the fused kernel is several times faster on the CPU backend. Shapeless: traced once.
+# Bit ops, one exact multiply by 512 and rint: fusing them cannot change a bit (no add to
+# contract into an fma, nothing fast math may relax).
+# Fused on the GPU only: on MLX's CPU backend a fused kernel is built by the system C++
+# compiler (tens of seconds on first use per machine), so there the ops run one by one.
 _enc_fused = mx.compile(_enc, shapeless=True)
 
 
 def enc(f: mx.array) -> mx.array:
     """The contract's enc() of float32 values (already multiplied by inv) -> uint8 codes."""
-    return _enc_fused(f.astype(mx.float32).view(mx.uint32))
+    fn = _enc_fused if mx.default_device() == mx.gpu else _enc
+    f = f.astype(mx.float32)
+    return fn(f.view(mx.uint32), f)
 
 
 def encode(x: mx.array) -> tuple[mx.array, mx.array]:

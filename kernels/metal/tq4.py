@@ -9,8 +9,8 @@ contract's loop order -- and the per-row divide sqrtf(n)/norm runs there too (co
 rounded IEEE division). On a Mac the CPU stream reads the same unified memory, so this costs
 one pass over the rows on the CPU, no copy. Everything else (rotation, nearest level,
 nibble packing) is float32 multiply/add/compare and integer ops on the compute device.
-The nearest level is a count of float32 thresholds passed (exact: see _thresholds), fused
-with mx.compile since it is compares and integer adds only; the scaling stays a separate op.
+The nearest level is a count of float32 thresholds passed (exact: see _thresholds): compares
+and integer adds only, fused with mx.compile on the GPU; the scaling stays a separate op.
 """
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def _nearest(v: mx.array, bits: mx.array) -> mx.array:
     return mx.where(finite, code, mx.array(0, mx.uint8))
 
 
-# compares and integer adds only (no float arithmetic to contract or relax): safe to fuse
+# compares and integer adds only (no float arithmetic to contract or relax): safe to fuse;
+# fused on the GPU only, as fp8.enc (a CPU-backend fusion costs a C++ compile)
 _nearest_fused = mx.compile(_nearest, shapeless=True)
 
 
@@ -86,7 +87,8 @@ def nearest_level(v: mx.array) -> mx.array:
     """Index of the nearest level per float32 value; ties keep the lower index. A non-finite
     v (butterfly overflow near 3.4e38) has no strictly smaller distance: index 0."""
     v = v.astype(mx.float32)
-    return _nearest_fused(v, v.view(mx.uint32))
+    fn = _nearest_fused if mx.default_device() == mx.gpu else _nearest
+    return fn(v, v.view(mx.uint32))
 
 
 def encode(x: mx.array) -> tuple[mx.array, mx.array]:

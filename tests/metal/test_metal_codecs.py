@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
+# the numpy reference warns about the hostile values (overflowing norms, Inf - level); intended
+pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value):RuntimeWarning")
 
 from kernels.cpu import codecs as cpu_codecs  # noqa: E402
 from kernels.cpu import fp8 as cpu_fp8  # noqa: E402
@@ -92,7 +94,8 @@ def test_tq4_nearest_level_ties_and_specials():
                         cpu_tq4.LEVELS, [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30]]
                        ).astype(np.float32)
     t = np.array(tq4._THRESHOLDS + [tq4._TIE_ABOVE], np.float32)  # every decision edge
-    big = np.arange(2 ** 23 - 64, 2 ** 24 + 4096, 0.5, dtype=np.float32)
+    big = np.concatenate([np.arange(2 ** 23 - 64, 2 ** 23 + 64, 0.25, dtype=np.float32),
+                          np.arange(2 ** 24 - 64, 2 ** 24 + 4096, 1, dtype=np.float32)])
     v = np.concatenate([v, t, np.nextafter(t, np.float32(-np.inf)), np.nextafter(t, np.float32(np.inf)),
                         big, -big, np.float32(2.0) ** np.arange(-149, 128, dtype=np.float32)])
     v = np.concatenate([v, np.random.default_rng(5).standard_normal(10000).astype(np.float32) * 2])
@@ -152,3 +155,15 @@ def test_polar_goes_through_numpy_and_is_counted():
 def test_bad_width_names_the_shape():
     with pytest.raises(ValueError, match="n=7"):
         codecs.encode_rows("tq4", mx.zeros((2, 7)))
+
+
+def test_fused_kernels_match_numpy():
+    """The mx.compile'd forms used on the GPU, run here on the CPU backend (the first run on
+    a machine builds them with the C++ compiler: several seconds)."""
+    rng = np.random.default_rng(23)
+    f = np.concatenate([rng.integers(0, 2 ** 32, 50_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        (rng.standard_normal(50_000) * 3).astype(np.float32)])
+    mf = mx.array(f)
+    np.testing.assert_array_equal(np.array(fp8._enc_fused(mf.view(mx.uint32), mf)), cpu_fp8.enc(f))
+    np.testing.assert_array_equal(np.array(tq4._nearest_fused(mf, mf.view(mx.uint32))),
+                                  cpu_tq4.nearest_level(f))
