@@ -371,3 +371,18 @@ def test_a_sequence_that_computed_nothing_leaves_the_file_whole(tmp_path):
     assert persist.drain_events() == {"hits": 1, "loaded_tokens": 10}
     with files.open("c"):  # the lock was let go
         pass
+
+
+def test_expert_parallel_workers_reuse_too(tiny, tmp_path, forwarded):
+    """ShardedWorkers (cluster/ep_group.py, in-process) get the same persistence."""
+    cache = tmp_path / "cache"
+    toks = [prompt(20), prompt(21)]
+    lines = [line("a", toks[0], cache="ca"), line("b", toks[1], cache="cb")]
+    ep = {"runtime": "inprocess", "experts": "sharded", "count": 2}
+    first, _ = run(tiny, tmp_path / "r1", lines, cache, workers=ep)
+    forwarded.clear()
+    rows, st = run(tiny, tmp_path / "r2", lines, cache, workers=ep)
+    assert {k: r["cached_prompt_tokens"] for k, r in rows.items()} == {"a": P - 1, "b": P - 1}
+    assert {r["worker"] for r in rows.values()} == {"worker0", "worker1"}
+    assert all(rows[k]["completion_tokens"] == first[k]["completion_tokens"] for k in rows)
+    assert sum(forwarded) == 2 * C and st.kv_cache["hits"] == 2
