@@ -13,6 +13,9 @@
     kvfleet_worker_deaths             Counter    workers found dead during the job
     kvfleet_experts_moved             Counter    routed experts re-assigned after deaths
     kvfleet_requests_requeued         Counter    sequences re-run because their worker died
+    kvfleet_kv_cache                  Counter    tag event: saved-KV counts (workers/persist.py:
+                                                 hits, misses, busy, rejected, upgraded,
+                                                 loaded_tokens, saved_tokens, truncated, ...)
 
 Without Ray (in-process runs, tests) the same calls update `JobMetrics.local`, a plain
 dict that tests read; with `enabled=False` they do nothing.
@@ -54,6 +57,8 @@ class JobMetrics:
                 "deaths": m.Counter("kvfleet_worker_deaths", "workers found dead"),
                 "moved": m.Counter("kvfleet_experts_moved", "experts re-assigned after deaths"),
                 "requeued": m.Counter("kvfleet_requests_requeued", "sequences re-run elsewhere"),
+                "kv_cache": m.Counter("kvfleet_kv_cache", "saved-KV events and token counts",
+                                      tag_keys=("event",)),
             }
 
     def queue(self, waiting: int, active: int) -> None:
@@ -126,3 +131,10 @@ class JobMetrics:
         self.local["experts_moved"] += n
         if self._ray:
             self._ray["moved"].inc(n)
+
+    def kv_cache(self, event: str, n: int) -> None:
+        if not self.enabled or n <= 0:
+            return
+        self.local[f"kv_cache[{event}]"] += n
+        if self._ray:
+            self._ray["kv_cache"].inc(n, tags={"event": event})

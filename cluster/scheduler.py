@@ -307,6 +307,7 @@ class Scheduler:
         for w, o in outs.items():
             for k, n in o.cache_events.items():
                 st.kv_cache[k] = st.kv_cache.get(k, 0) + n
+                self.metrics.kv_cache(k, n)
             self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
             for path, n in o.fallbacks.items():
                 self.metrics.fallback(path, n)
@@ -325,6 +326,7 @@ class Scheduler:
                     continue
                 for k, n in o.cache_events.items():  # the last sequences' KV saves
                     self.stats.kv_cache[k] = self.stats.kv_cache.get(k, 0) + n
+                    self.metrics.kv_cache(k, n)
         self._release = [[] for _ in self.group.names]
 
 

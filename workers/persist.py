@@ -194,7 +194,7 @@ class SlotPersist:
                 self.events["truncated"] += 1  # the file had diverged from the sequence at c
 
     def drain_events(self) -> dict[str, int]:
-        out = dict(self.events)
+        out = {k: v for k, v in self.events.items() if v}
         self.events.clear()
         return out
 

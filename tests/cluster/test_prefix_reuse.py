@@ -92,7 +92,7 @@ def test_second_run_loads_the_prompt_and_gives_the_same_tokens(tiny, tmp_path, f
     cache = tmp_path / "cache"
     first, st1 = run(tiny, tmp_path / "r1", [line("a", toks)], cache, kv=tier)
     assert sum(forwarded) == P + C - 1 and first["a"]["cached_prompt_tokens"] == 0
-    assert st1.kv_cache == {"misses": 1, "loaded_tokens": 0, "saved_tokens": P + C - 1}
+    assert st1.kv_cache == {"misses": 1, "saved_tokens": P + C - 1}
     recs, version, _ = saved(tiny, cache, "conv", tier)
     comp = first["a"]["completion_tokens"]
     assert comp == ref["a"]["completion_tokens"] and len(comp) == C
@@ -386,3 +386,21 @@ def test_expert_parallel_workers_reuse_too(tiny, tmp_path, forwarded):
     assert {r["worker"] for r in rows.values()} == {"worker0", "worker1"}
     assert all(rows[k]["completion_tokens"] == first[k]["completion_tokens"] for k in rows)
     assert sum(forwarded) == 2 * C and st.kv_cache["hits"] == 2
+
+
+def test_scheduler_counts_cache_events_in_metrics(tiny, tmp_path):
+    from cluster.metrics import JobMetrics
+    from cluster.scheduler import Scheduler
+    from runtime_helpers import prepared
+    from workers.actor import LocalGroup, Worker, WorkerSpec
+    worker = Worker(WorkerSpec("w0", str(tiny), "kv8", 2, 128, kv_cache_dir=str(tmp_path)))
+    item = replace(prepared(0, prompt(22), max_tokens=C), cache="m")
+    for _ in range(2):
+        metrics = JobMetrics(use_ray=False)
+        sched = Scheduler(LocalGroup([worker]), max_context=128, prefill_chunk=64, eos_ids=(),
+                          decode=lambda ids: "", tier="kv8", metrics=metrics)
+        out = []
+        stats = sched.run([item], out.append)
+        assert {k[9:-1]: v for k, v in metrics.local.items() if k.startswith("kv_cache[")} \
+            == stats.kv_cache
+    assert out[0].cached_prompt_tokens == P - 1 and stats.kv_cache["hits"] == 1
