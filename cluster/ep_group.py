@@ -7,7 +7,8 @@ Placement (`fleet_placements`): a device of kind K asks Ray for its node's `reso
 the node's `labels` as a label selector; a cuda device adds num_gpus=1 only together with
 those (Ray also counts Apple GPUs as GPUs). Expert split: cluster.planner.split_experts over
 each device's room for experts in the budget plan (free + pinned bytes), so every routed
-expert has exactly one owner, most room first.
+expert has exactly one owner: dealt out evenly when an even share fits every device,
+else most room first (`even_rooms`).
 
 A step (`step_all`) submits every worker's batch at once. When some fail, the group pings
 every live worker (`alive`, served in the experts concurrency group even mid-step) to see
@@ -106,12 +107,21 @@ def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[
     eb = fp.expert_bytes("bf16")
     if not sharded:
         return [{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))], eb
-    a = split_experts(fp, rooms, "bf16")
+    a = split_experts(fp, even_rooms(rooms, fp.routed_experts, eb), "bf16")
     owners = {l: np.full(E, -1, np.int32) for l in layers}
     for (l, e), o in zip(a.experts.tolist(), a.owner.tolist()):
         if l in owners:  # MTP layers are not run
             owners[l][e] = o
     return [owners] * len(rooms), eb
+
+
+def even_rooms(rooms: list[int], n_experts: int, expert_bytes: int) -> list[int]:
+    """The rooms the split should see. When an even share of the experts fits every
+    worker, equal rooms (the split deals them out round-robin: the same compute and traffic
+    on every worker); otherwise the real rooms (most room first, as the planner pins).
+    Without this, tiny experts would all go to the one worker with the least KV."""
+    share = -(-n_experts // max(len(rooms), 1)) * expert_bytes
+    return [max(rooms)] * len(rooms) if min(rooms) >= share else list(rooms)
 
 
 class ShardedGroup:
@@ -241,7 +251,7 @@ class ShardedGroup:
             return {}
         held = {i: sum(int((o == i).sum()) for o in owners.values()) for i in live}
         rooms = [self.room[i] - held[i] * self.expert_bytes for i in live]
-        a = assign_experts(rooms, self.expert_bytes, orphans)
+        a = assign_experts(even_rooms(rooms, len(orphans), self.expert_bytes), self.expert_bytes, orphans)
         new = {l: o.copy() for l, o in owners.items()}
         moved: dict[int, list] = {}
         for (l, e), k in zip(orphans.tolist(), a.owner.tolist()):
