@@ -159,7 +159,7 @@ def encode(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _encode_block(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     n = x.shape[1]
-    xt = np.ascontiguousarray(x.T)
+    xt = x.T.copy()  # the butterfly works in place: never on the caller's rows
     norm = column_norms(xt)
     live = live_rows(norm, n)
     fields = []

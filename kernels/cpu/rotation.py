@@ -62,7 +62,7 @@ def hadamard(a: np.ndarray) -> np.ndarray:
     out = np.empty(flat.shape, dtype=np.float32)
     step = max(1, _BLOCK_VALUES // n)
     for i in range(0, flat.shape[0], step):  # a loop over cache-sized blocks, not rows
-        out[i:i + step] = _hadamard_columns(np.ascontiguousarray(flat[i:i + step].T)).T
+        out[i:i + step] = _hadamard_columns(flat[i:i + step].T.copy()).T  # a copy: never the input
     return out.reshape(a.shape)
 
 

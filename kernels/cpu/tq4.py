@@ -107,7 +107,7 @@ def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _encode_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One block, in the transposed layout xt[n, rows] (contiguous butterfly stages)."""
     n = x.shape[1]
-    xt = np.ascontiguousarray(x.T)
+    xt = x.T.copy()  # the butterfly works in place: never on the caller's rows
     norm = column_norms(xt)
     live = live_rows(norm, n)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -76,3 +76,21 @@ def test_bad_widths_rejected(n):
     assert not rotation.rotatable(n)
     with pytest.raises(ValueError, match="power of two"):
         rotation.rotate(np.ones((1, n), dtype=np.float32))
+
+
+def test_no_codec_or_rotation_writes_into_its_input():
+    """A one-row block's transpose is a view of the input: the in-place butterfly must
+    still work on a copy (this once rotated the caller's decode rows in place)."""
+    from kernels.cpu import codecs
+    from kernels.cpu.rotation import rotate, unrotate
+    from kernels.tiers import TIERS
+    rng = np.random.default_rng(11)
+    for rows in (1, 2, 300):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        keep = x.copy()
+        for tier in TIERS.values():
+            codes, scales = codecs.encode_rows(tier, x)
+            codecs.decode_rows(tier, codes, scales, 512)
+        rotate(x)
+        unrotate(x)
+        np.testing.assert_array_equal(x, keep)
