@@ -34,10 +34,7 @@ def test_killed_worker_loses_no_request(tmp_path, caplog):
     run_generate(config(tiny), prompts, tmp_path / "ref.parquet", progress=False)
     reference = rows_by_id(tmp_path / "ref.parquet")
 
-    from cluster.footprint import Footprint
-    per_slot = Footprint.from_file(tiny).kv_pool_bytes("f32", 1, 64) / 1e9
-    slots = (3, 2, 1)
-    fleet = fleet_yaml(tmp_path / "fleet.yaml", slots, [8 + s * per_slot for s in slots])
+    fleet = fleet_yaml(tmp_path / "fleet.yaml", slots=(3, 2, 1))
     cfg = config(tiny, workers={"fleet": str(fleet), "experts": "sharded", "num_cpus": 1})
     out = tmp_path / "out.parquet"
     parts = tmp_path / "out.parquet.parts"
