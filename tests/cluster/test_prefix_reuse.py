@@ -15,7 +15,7 @@ import pytest
 from cluster.config import JobConfigError, load_job_config
 from cluster.jobs.generate import run_generate
 from cluster.requests import parse_line
-from kvstore.disk import ArrowKVFile, read_header
+from kvstore.disk import ArrowKVFile
 from kvstore.fingerprint import Fingerprint
 from kvstore.slots import SlotFiles, slot_filename
 from runtime_helpers import ROOT, make_tiny, rows_by_id, write_lines
