@@ -79,7 +79,9 @@ def render(log: dict, cfg: dict, quality: dict | None, parity: dict | None) -> s
         "## Evaluation",
         "",
         f"Right after training, read back with transformers in float32: retrieval {ret}; held-out "
-        f"perplexity {ev['heldout_ppl']:.3f} over {ev['heldout_tokens']} tokens.",
+        f"perplexity {ev['heldout_ppl']:.3f} over {ev['heldout_tokens']} tokens (8 x 512 tokens from the "
+        "start of the held-out files, EOS between files; the table below uses `heldout.txt`, another "
+        "span, so its perplexities differ).",
         "",
     ]
     if quality:
@@ -94,10 +96,21 @@ def render(log: dict, cfg: dict, quality: dict | None, parity: dict | None) -> s
             "",
         ]
     if parity:
-        parts += [f"Parity: kvfleet's numpy engine (f32 tier) against transformers (float32) on the "
-                  f"same checkpoint: max relative logit error {parity['max_rel_err']:.2e} over "
-                  f"{parity['tokens']} positions (`{parity['command']}`).", ""]
-    parts += ["`heldout.txt` holds the held-out stdlib text the perplexity figures use.", ""]
+        modes = ", ".join(f"{k} {v['max_rel_err']:.1e} over {v['positions']} positions"
+                          for k, v in parity["modes"].items())
+        parts += [f"Parity: `kvfleet score` (numpy engine, f32 tier) against transformers (float32) on "
+                  f"the same checkpoint and held-out text, max |logit error| / max |logit|: {modes} "
+                  f"(`{parity['command']}`).", ""]
+    parts += [
+        "## Limits",
+        "",
+        f"- The stdlib text ({log['stdlib_train_tokens']:,} tokens) was seen about "
+        f"{log['text_tokens'] / max(1, log['stdlib_train_tokens']):.0f} times, so the training loss "
+        "on text is partly memorisation; the held-out perplexity is the figure to quote.",
+        "- Retrieval is trained only up to the trained context (1024 tokens); longer prompts are "
+        "outside what it learned.",
+        "- `heldout.txt` holds held-out stdlib text (files never trained on) for the perplexity figures.",
+        ""]
     return "\n".join(parts)
 
 

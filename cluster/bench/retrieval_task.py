@@ -39,12 +39,18 @@ def answer(value: int) -> str:
 
 @dataclass(frozen=True)
 class Item:
-    """One oracle question: `prompt` ends with the question; the right greedy continuation
-    starts with `answer`. `depth` is how many pair lines back the asked pair sits."""
-    prompt: str
+    """One oracle question: the prompt is `body + question`; the right greedy continuation
+    starts with `answer`. Items of one document share `body` (an engine may prefill it once
+    and copy its cache rows). `depth` is how many pair lines back the asked pair sits."""
+    body: str
+    question: str
     answer: str
-    n_pairs: int
+    doc: int
     depth: int
+
+    @property
+    def prompt(self) -> str:
+        return self.body + self.question
 
 
 def pairs_for_context(context_tokens: int) -> int:
@@ -56,21 +62,28 @@ def pairs_for_context(context_tokens: int) -> int:
     return n
 
 
-def oracle_items(n_items: int, context_tokens: int, seed: int = ORACLE_SEED) -> list[Item]:
-    """`n_items` prompts of about `context_tokens` tokens; the asked pair lies in the first half
-    of the list, so the answer is far back. Deterministic in (n_items, context_tokens, seed)."""
-    if n_items <= 0:
-        raise ValueError(f"n_items must be positive, got {n_items}")
+def oracle_items(n_items: int, context_tokens: int, per_doc: int = 8,
+                 seed: int = ORACLE_SEED) -> list[Item]:
+    """`n_items` questions over ceil(n_items / per_doc) documents of about `context_tokens`
+    tokens. A document's questions ask distinct pairs from the first half of its list (so the
+    answer is far back) when that half is big enough, else distinct pairs from the whole list.
+    Deterministic in (n_items, context_tokens, per_doc, seed)."""
+    if n_items <= 0 or per_doc <= 0:
+        raise ValueError(f"n_items and per_doc must be positive, got {n_items}, {per_doc}")
     n_pairs = pairs_for_context(context_tokens)
     rng = np.random.default_rng([seed, context_tokens])
-    items = []
-    for _ in range(n_items):
+    items: list[Item] = []
+    doc = 0
+    while len(items) < n_items:
+        k = min(per_doc, n_items - len(items))
         keys = rng.choice(KEY_SPACE, size=n_pairs, replace=False)
         values = rng.integers(0, KEY_SPACE, size=n_pairs)
-        asked = int(rng.integers(0, max(1, n_pairs // 2)))
-        body = "".join(pair_line(int(k), int(v)) for k, v in zip(keys, values))
-        items.append(Item(prompt=body + question(int(keys[asked])), answer=answer(int(values[asked])),
-                          n_pairs=n_pairs, depth=n_pairs - asked))
+        pool = n_pairs // 2 if n_pairs // 2 >= k else n_pairs
+        asked = rng.choice(pool, size=k, replace=pool < k)
+        body = "".join(pair_line(int(a), int(b)) for a, b in zip(keys, values))
+        items += [Item(body=body, question=question(int(keys[a])), answer=answer(int(values[a])),
+                       doc=doc, depth=n_pairs - int(a)) for a in asked]
+        doc += 1
     return items
 
 
