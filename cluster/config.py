@@ -204,6 +204,11 @@ def _validate(data: dict, source: str) -> JobConfig:
         raise JobConfigError("; ".join(lines)) from None
 
 
+def validate_job_config(data: dict, source: str) -> JobConfig:
+    """A JobConfig from a plain mapping (e.g. the job part of a soak arm); errors name `source`."""
+    return _validate(data, source)
+
+
 def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,
                     overrides: Mapping[str, Any] | None = None) -> JobConfig:
     """YAML file (optional) < environment < `overrides` (a nested dict, e.g. from flags)."""

@@ -73,6 +73,7 @@ class SchedulerStats:
     recoveries: int = 0  # deaths after which the job went on with live workers
     requeued: int = 0  # sequences re-run from their prompts after their worker died
     kv_cache: dict[str, int] = field(default_factory=dict)  # saved-KV counts (workers/persist.py)
+    kv_bytes_peak: int = 0  # most KV pool bytes held at once, summed over workers
 
     @property
     def overhead_per_decode_step_s(self) -> float:
@@ -304,6 +305,7 @@ class Scheduler:
             st.decode_driver_s += driver
             st.decode_tokens += n_tok
         self.metrics.step(n_tok, wall)
+        st.kv_bytes_peak = max(st.kv_bytes_peak, sum(o.kv_bytes for o in outs.values()))
         for w, o in outs.items():
             for k, n in o.cache_events.items():
                 st.kv_cache[k] = st.kv_cache.get(k, 0) + n

@@ -8,6 +8,7 @@ round trip. The same class runs in-process (`LocalGroup`) or as a Ray actor (`Ra
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from workers.persist import SlotPersist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,14 @@ class Worker:
     def info(self) -> dict:
         return {"name": self.spec.name, "slots": self.spec.slots, "tier": self.spec.tier,
                 "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu"}
+
+    def stats(self) -> dict:
+        """Memory figures of this worker (the soak and `generate --stats` read them). A cpu
+        worker's device memory is its resident set; every expert is held (replicated)."""
+        from workers.ep_worker import rss_bytes
+        rss = rss_bytes()
+        return {"name": self.spec.name, "device": "cpu", "rss_bytes": rss,
+                "device_mem_bytes": rss, "kv_bytes": int(self.pool.bytes_in_use())}
 
     def step(self, batch: StepBatch) -> StepOutput:
         t0 = time.perf_counter()
@@ -151,6 +162,10 @@ class LocalGroup:
         self.names = [w.spec.name for w in workers]
         self.capacities = [w.spec.slots for w in workers]
 
+    @property
+    def final_stats(self) -> list[dict]:
+        return [w.stats() for w in self.workers]
+
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         out: dict[int, StepOutput | Exception] = {}
         for i, b in batches.items():
@@ -175,13 +190,22 @@ class RayGroup:
         self.actors = [actor_cls.options(**opts).remote(spec) for spec, opts in placements]
         self.names = [spec.name for spec, _ in placements]
         self.capacities = [spec.slots for spec, _ in placements]
-        try:  # waits for the model loads; an actor no node can host never starts
-            self.info = ray.get([a.info.remote() for a in self.actors], timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.close()
-            raise RuntimeError(f"worker actors did not start within {start_timeout_s:.0f}s; "
-                               f"does a node offer what they ask for? "
-                               f"{[opts for _, opts in placements]}") from None
+        refs = [a.info.remote() for a in self.actors]
+        self.info: list[dict | None] = []
+        for name, ref in zip(self.names, refs):  # waits for the model loads
+            try:
+                self.info.append(ray.get(ref, timeout=start_timeout_s))
+            except ray.exceptions.GetTimeoutError:  # an actor no node can host never starts
+                self.close()
+                raise RuntimeError(f"worker actors did not start within {start_timeout_s:.0f}s; "
+                                   f"does a node offer what they ask for? "
+                                   f"{[opts for _, opts in placements]}") from None
+            except ray.exceptions.RayActorError as e:
+                # died while loading: its first step fails and the scheduler re-queues there
+                log.warning("worker %s died while starting: %s", name, str(e).splitlines()[0])
+                self.info.append(None)
+        if all(i is None for i in self.info):
+            raise RuntimeError(f"all {len(self.actors)} worker actors died while starting")
 
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         import ray
@@ -199,7 +223,14 @@ class RayGroup:
         return isinstance(exc, ray.exceptions.RayActorError)
 
     def close(self) -> None:
+        """Collects the live workers' stats (final_stats), then kills the actors."""
         import ray
+        self.final_stats = []
+        for a in self.actors:
+            try:
+                self.final_stats.append(ray.get(a.stats.remote(), timeout=30))
+            except ray.exceptions.RayError:  # a worker that died mid-job has none to give
+                continue
         for a in self.actors:
             ray.kill(a)
 

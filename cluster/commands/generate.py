@@ -33,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, help="number of worker actors")
     p.add_argument("--inprocess", action="store_true", help="run the workers in this process")
     p.add_argument("--limit", type=int, help="process at most N prompts this run")
+    p.add_argument("--stats", type=Path, help="also write the run's figures as JSON here "
+                   "(scheduler counters, per-worker experts and memory; `kvfleet soak` reads it)")
     p.add_argument("--kv-cache-dir", type=Path,
                    help="save each request's KV here and resume prompts that share a prefix")
     p.set_defaults(func=run)
@@ -71,4 +73,21 @@ def run(args) -> int:
                     "shared storage to keep it", args.out, Path.cwd())
     summary = run_generate(cfg, args.prompts, args.out.resolve(), limit=args.limit)
     print(summary.line())
+    if args.stats is not None:
+        write_stats(summary, cfg, args.stats)
     return 0
+
+
+def write_stats(summary, cfg, path: Path) -> None:
+    """The figures of one run as JSON: the scheduler's counters (SchedulerStats fields and
+    its derived rates), the rows written, and the workers' own stats."""
+    import dataclasses
+    import json
+    st = summary.stats
+    doc = dict(dataclasses.asdict(st), tier=cfg.kv, rows=summary.done, errors=summary.errors,
+               skipped=summary.skipped, job_wall_s=summary.wall_s,
+               decode_tokens_per_s=st.decode_tokens_per_s,
+               overhead_per_decode_step_s=st.overhead_per_decode_step_s,
+               workers=summary.workers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))

@@ -1,0 +1,55 @@
+"""`kvfleet soak`: A/B soak of two configurations over the same prompts, with a report.
+
+    kvfleet soak --config A.yaml [--vs B.yaml] --prompts FILE.jsonl
+                 (--duration 30m | --rounds N) --out DIR [--kill-worker-every 2m]
+
+Exit code 0 when the gate (thresholds in A's `soak.gate`) passes, 1 when it fails (the
+failing metrics are printed), 2 on bad input.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cluster.cli import UsageError
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(text: str, flag: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"{flag} {text!r}: give a positive duration like 90s, 30m or 1.5h")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("soak", help="A/B soak test with a report and a regression gate")
+    p.add_argument("--config", required=True, type=Path, help="arm A: job config YAML (+ soak:)")
+    p.add_argument("--vs", type=Path, help="arm B: job config YAML (+ soak:)")
+    p.add_argument("--prompts", required=True, type=Path)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--duration", help="run rounds until this much time is spent (e.g. 30m)")
+    g.add_argument("--rounds", type=int, help="number of rounds (each runs A, then B)")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--kill-worker-every", help="kill a worker actor at this interval (e.g. 20s)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from cluster.soak.config import load_arm
+    from cluster.soak.runner import SoakPlan, run_soak
+    if args.rounds is not None and args.rounds < 1:
+        raise UsageError(f"--rounds {args.rounds} must be >= 1")
+    if not args.prompts.exists():
+        raise UsageError(f"--prompts {args.prompts}: no such file")
+    arms = [load_arm(args.config, "A")] + ([load_arm(args.vs, "B")] if args.vs else [])
+    plan = SoakPlan(arms=arms, prompts=args.prompts, out=args.out, rounds=args.rounds,
+                    duration_s=parse_duration(args.duration, "--duration") if args.duration else None,
+                    kill_every_s=parse_duration(args.kill_worker_every, "--kill-worker-every")
+                    if args.kill_worker_every else None)
+    summary, code = run_soak(plan)
+    gate = summary["gate"]
+    print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
+          + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
+    return code

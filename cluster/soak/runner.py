@@ -1,0 +1,192 @@
+"""`kvfleet soak`: the same prompts on arm A and (optionally) arm B, interleaved A B A B, each
+round one `python -m cluster generate` run on a shared Ray cluster, until --rounds are done
+or --duration is spent (a round that has started finishes, bounded by the time left).
+
+Each round runs in its arm's working directory (another checkout of the code, or this one),
+joins the soak's Ray cluster through RAY_ADDRESS, and leaves a Parquet of results and a
+stats JSON (`generate --stats`). A fault injector may kill a worker actor every interval;
+the job must recover (every id exactly once), and the soak counts what was lost.
+
+Output under DIR:
+    rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
+    requests.parquet   one row per request and round
+    rounds.parquet     one row per round and arm (soak.summary.ROUND_METRICS + faults)
+    faults.parquet     one row per injected kill
+    summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
+    report.html        the self-contained report
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from cluster.config import REPO_ROOT
+from cluster.soak.config import SoakArm
+from cluster.soak.faults import WorkerKiller
+from cluster.soak.report import write_report
+from cluster.soak.summary import apply_gate, parity_table, summarize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SoakPlan:
+    arms: list[SoakArm]
+    prompts: Path
+    out: Path
+    rounds: int | None = None
+    duration_s: float | None = None
+    kill_every_s: float | None = None
+    round_timeout_s: float = 1800.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _expected_ids(prompts: Path) -> list[str]:
+    ids = []
+    for n, line in enumerate(prompts.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                ids.append(str(json.loads(line).get("id", f"line{n}")))
+            except (json.JSONDecodeError, AttributeError):
+                ids.append(f"line{n}")
+    return ids
+
+
+def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, deadline: float) -> dict:
+    rdir = plan.out / "rounds"
+    stem = f"r{rnd:03d}_{arm.key}"
+    out, stats, logf = rdir / f"{stem}.parquet", rdir / f"{stem}.stats.json", rdir / f"{stem}.log"
+    cfg = arm.write_job_config(rdir / f"{arm.key}.job.yaml")
+    wd = arm.working_dir or REPO_ROOT
+    env = dict(os.environ, **plan.extra_env, RAY_ADDRESS=address, PYTHONPATH=str(wd),
+               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg),
+           "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
+           "--stats", str(stats.resolve())]
+    start = time.time()
+    timeout = max(1.0, min(plan.round_timeout_s, deadline - time.monotonic()))
+    with open(logf, "w") as lf:
+        try:
+            rc = subprocess.run(cmd, cwd=wd, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    end = time.time()
+    return {"round": rnd, "arm": arm.key, "label": arm.label, "start_s": start, "end_s": end,
+            "returncode": str(rc), "parquet": out, "stats": stats, "log": logf}
+
+
+def _round_rows(meta: dict, expected: list[str]) -> tuple[dict, pd.DataFrame]:
+    """One rounds.parquet row and the round's request rows."""
+    req = pq.read_table(meta["parquet"]).to_pandas() if meta["parquet"].exists() else pd.DataFrame()
+    stats = json.loads(meta["stats"].read_text()) if meta["stats"].exists() else {}
+    ok = req[req.finish_reason.isin(["stop", "length"])] if len(req) else req
+    input_errors = req[(req.finish_reason == "error") & req.error.fillna("").str.startswith("line ")] \
+        if len(req) else req
+    served = set(ok.id.astype(str)) | set(input_errors.id.astype(str)) if len(req) else set()
+    workers = stats.get("workers", [])
+
+    def wsum(k):
+        vals = [w[k] for w in workers if w.get(k) is not None]
+        return float(sum(vals)) if vals else None
+
+    hit = [w["expert_hit_rate"] for w in workers if w.get("expert_hit_rate") is not None]
+    row = {
+        "round": meta["round"], "arm": meta["arm"], "label": meta["label"],
+        "start_s": meta["start_s"], "end_s": meta["end_s"], "wall_s": meta["end_s"] - meta["start_s"],
+        "returncode": meta["returncode"], "requests": len(req),
+        "throughput_tok_s": (stats["tokens"] / stats["wall_s"]) if stats.get("wall_s") else None,
+        "ttft_median_s": float(ok.ttft_s.median()) if len(ok) else None,
+        "decode_tok_s_median": float(ok.decode_tokens_per_s.median()) if len(ok) else None,
+        "tokens_per_forward": (stats["decode_tokens"] / stats["decode_steps"])
+        if stats.get("decode_steps") else None,
+        "expert_pins": wsum("expert_pins"),
+        "expert_hit_rate": float(np.mean(hit)) if hit else None,
+        "kv_bytes": stats.get("kv_bytes_peak"),
+        "rss_bytes": wsum("rss_bytes"),
+        "device_mem_bytes": wsum("device_mem_bytes"),
+        "errors": int((req.finish_reason == "error").sum()) if len(req) else 0,
+        "recoveries": int(stats.get("recoveries", 0)),
+        "lost_requests": len(set(expected) - served),
+    }
+    if len(req):
+        req = req.assign(round=meta["round"], arm=meta["arm"], id=req.id.astype(str))
+    return row, req
+
+
+def run_soak(plan: SoakPlan) -> tuple[dict, int]:
+    """Runs the soak; returns (summary, exit code: 0 pass, 1 gate failed)."""
+    import ray
+    (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
+    expected = _expected_ids(plan.prompts)
+    started = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)
+        else:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            # the dashboard serves the state API that the fault injector lists workers with
+            ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=True,
+                     dashboard_host="127.0.0.1", dashboard_port=_free_port())
+        started = True
+    address = ray.get_runtime_context().gcs_address
+    killer = WorkerKiller(plan.kill_every_s) if plan.kill_every_s else None
+    deadline = time.monotonic() + (plan.duration_s if plan.duration_s else 10 * 365 * 86400.0)
+    metas, rnd = [], 0
+    try:
+        if killer:
+            killer.start()
+        while (plan.rounds is None or rnd < plan.rounds) and time.monotonic() < deadline:
+            for arm in plan.arms:
+                if killer:
+                    killer.round = (rnd, arm.key)
+                log.info("soak round %d arm %s (%s)", rnd, arm.key, arm.label)
+                metas.append(_run_round(plan, arm, rnd, address, deadline))
+            rnd += 1
+    finally:
+        if killer:
+            killer.stop()
+        if started:
+            ray.shutdown()
+    rows, reqs = zip(*(_round_rows(m, expected) for m in metas)) if metas else ((), ())
+    rounds = pd.DataFrame(list(rows))
+    kills = killer.events if killer else []
+    faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid"])
+    rounds["kills"] = [sum(1 for k in kills if (k["round"], k["arm"]) == (r, a))
+                       for r, a in zip(rounds["round"], rounds["arm"])] if len(rounds) else []
+    requests = pd.concat([r for r in reqs if len(r)], ignore_index=True) if any(len(r) for r in reqs) \
+        else pd.DataFrame(columns=["round", "arm", "id", "completion_tokens", "finish_reason",
+                                   "ttft_s", "decode_tokens_per_s"])
+    greedy = all(a.greedy for a in plan.arms)
+    summary = summarize(requests, rounds, greedy=greedy)
+    summary["labels"] = {a.key: a.label for a in plan.arms}
+    summary["faults"]["kills"] = len(kills)
+    fails = apply_gate(summary, plan.arms[0].section.gate)
+    summary["gate"] = {"passed": not fails, "failures": [str(f) for f in fails]}
+    requests.to_parquet(plan.out / "requests.parquet")
+    rounds.to_parquet(plan.out / "rounds.parquet")
+    faults.to_parquet(plan.out / "faults.parquet")
+    (plan.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    title = "soak: " + " vs ".join(a.label for a in plan.arms)
+    write_report(plan.out / "report.html", summary, rounds, parity_table(requests)
+                 if len(plan.arms) > 1 else pd.DataFrame(columns=["round", "id", "first_diff"]),
+                 faults, title)
+    return summary, 0 if not fails else 1
