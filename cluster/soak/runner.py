@@ -131,6 +131,22 @@ def _round_rows(meta: dict, expected: list[str]) -> tuple[dict, pd.DataFrame]:
     return row, req
 
 
+class RatioGauge:
+    """Publishes each round's B/A ratios as the `kvfleet_soak_ratio` gauge (tag `metric`),
+    so a dashboard shows them while a long soak runs."""
+    METRICS = ("throughput_tok_s", "ttft_median_s", "decode_tok_s_median", "kv_bytes", "rss_bytes")
+
+    def __init__(self):
+        from ray.util.metrics import Gauge
+        self.gauge = Gauge("kvfleet_soak_ratio", "B/A ratio of the last soak round",
+                           tag_keys=("metric",))
+
+    def publish(self, a: dict, b: dict) -> None:
+        for m in self.METRICS:
+            if a.get(m) and b.get(m) is not None:
+                self.gauge.set(b[m] / a[m], tags={"metric": m})
+
+
 def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     """Runs the soak; returns (summary, exit code: 0 pass, 1 gate failed)."""
     import ray
@@ -150,7 +166,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     address = ray.get_runtime_context().gcs_address
     killer = WorkerKiller(plan.kill_every_s) if plan.kill_every_s else None
     deadline = time.monotonic() + (plan.duration_s if plan.duration_s else 10 * 365 * 86400.0)
-    metas, rnd = [], 0
+    rows, reqs, rnd = [], [], 0
+    ratios = RatioGauge() if len(plan.arms) > 1 else None
     try:
         if killer:
             killer.start()
@@ -159,14 +176,17 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 if killer:
                     killer.round = (rnd, arm.key)
                 log.info("soak round %d arm %s (%s)", rnd, arm.key, arm.label)
-                metas.append(_run_round(plan, arm, rnd, address, deadline))
+                row, req = _round_rows(_run_round(plan, arm, rnd, address, deadline), expected)
+                rows.append(row)
+                reqs.append(req)
+            if ratios:
+                ratios.publish(rows[-2], rows[-1])
             rnd += 1
     finally:
         if killer:
             killer.stop()
         if started:
             ray.shutdown()
-    rows, reqs = zip(*(_round_rows(m, expected) for m in metas)) if metas else ((), ())
     rounds = pd.DataFrame(list(rows))
     kills = killer.events if killer else []
     faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid"])
