@@ -20,7 +20,11 @@ WORKER_CLASSES = ("Worker", "ShardedWorker")  # workers/actor.py, workers/ep_wor
 
 def live_workers() -> list:
     from ray.util.state import list_actors
-    actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True,
+    import ray
+    # the connected cluster's address: left out, the state API picks the newest Ray on the
+    # machine, which need not be ours
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                         filters=[("state", "=", "ALIVE")], detail=True,
                          raise_on_missing_output=False)
     return [a for a in actors if a.class_name in WORKER_CLASSES]
 

@@ -1,0 +1,116 @@
+"""The metrics the Grafana dashboard queries reach Prometheus: a Ray started with a metrics
+export port on loopback, a real generate job (expert-parallel, two workers, a polar tier so
+the fallback counter moves, a worker killed mid-job), then a scrape of the endpoint."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from cluster.config import REPO_ROOT, load_job_config
+from runtime_helpers import make_tiny, prompt_lines, write_lines
+
+pytestmark = pytest.mark.slow
+DASHBOARD = REPO_ROOT / "configs" / "dashboards" / "kvfleet.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Sum of every sample per metric name (labels dropped) from the Prometheus text."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(ray_kvfleet_\w+)(\{[^}]*\})? ([-+0-9.eEinfNa]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def _wait_for(port: int, ok, what: str, timeout_s: float = 90.0) -> dict[str, float]:
+    """Scrape until ok(metrics) holds; the metrics agent exports on its own period."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = _scrape(port)
+        if ok(got):
+            return got
+        assert time.monotonic() < deadline, f"never saw {what}; last scrape: {got}"
+        time.sleep(2)
+
+
+def _dashboard_metrics() -> set[str]:
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    names = set(re.findall(r"ray_kvfleet_\w+", " ".join(exprs)))
+    return {re.sub(r"_bucket$", "_count", n) for n in names}
+
+
+def _kill_one_worker_when_running(stop: threading.Event, killed: list) -> None:
+    """Once two workers are up and the job has run a few seconds, SIGKILL one of them."""
+    from cluster.soak.faults import kill_worker, live_workers
+    while not stop.is_set():
+        try:
+            actors = live_workers()
+        except Exception:  # the state API answers once the dashboard is up
+            actors = []
+        if len(actors) == 2:
+            time.sleep(3.0)
+            killed.append(kill_worker(live_workers()[0]))
+            return
+        time.sleep(0.5)
+
+
+def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
+    import ray
+    from cluster.jobs.generate import run_generate
+    from cluster.soak.runner import RatioGauge
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=_free_port(), _metrics_export_port=port)
+    try:
+        model = make_tiny(tmp_path / "model")
+        prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(24, seed=9, max_tokens=48))
+        cfg = load_job_config(None, env={}, overrides={
+            "model": str(model), "kv": "polar4", "slots": 4, "max_context": 256,
+            "workers": {"count": 2, "experts": "sharded", "num_cpus": 0.5}})
+        # 1. a clean job: the token counter equals what the Parquet holds
+        run_generate(cfg, prompts, tmp_path / "clean.parquet")
+        rows = pq.read_table(tmp_path / "clean.parquet").to_pylist()
+        assert len(rows) == 24 and all(r["finish_reason"] in ("stop", "length") for r in rows)
+        # the completion leaves out the EOS that ended a "stop" row; the counter has it
+        parquet_tokens = sum(r["completion_token_count"] + (r["finish_reason"] == "stop")
+                             for r in rows)
+        got = _wait_for(port, lambda g: g.get("ray_kvfleet_tokens_generated_total") == parquet_tokens,
+                        f"tokens generated == {parquet_tokens} from the Parquet")
+        assert got["ray_kvfleet_fallbacks_total"] > 0  # polar rows rebuilt on the CPU
+        assert got["ray_kvfleet_time_to_first_token_s_count"] == 24
+        # 2. the same job with a worker killed mid-way, and a soak round's ratios
+        stop, killed = threading.Event(), []
+        t = threading.Thread(target=_kill_one_worker_when_running, args=(stop, killed), daemon=True)
+        t.start()
+        summary = run_generate(cfg, prompts, tmp_path / "killed.parquet")
+        stop.set()
+        assert killed and killed[0] is not None, "the worker was not killed mid-job"
+        assert len(pq.read_table(tmp_path / "killed.parquet")) == 24
+        RatioGauge().publish({"throughput_tok_s": 100.0}, {"throughput_tok_s": 97.0})
+        want = _dashboard_metrics()
+        got = _wait_for(port, lambda g: not (want - set(g)) and "ray_kvfleet_soak_ratio" in g,
+                        f"every dashboard metric: {sorted(want)}")
+        assert got["ray_kvfleet_worker_deaths_total"] == 1
+        assert got["ray_kvfleet_requests_requeued_total"] == summary.stats.requeued >= 1
+        assert got["ray_kvfleet_experts_moved_total"] >= 1
+        assert got["ray_kvfleet_expert_pins"] > 0
+        assert abs(got["ray_kvfleet_soak_ratio"] - 0.97) < 1e-9
+    finally:
+        ray.shutdown()
