@@ -33,7 +33,7 @@ import numpy as np
 
 from cluster.config import JobConfig, JobConfigError
 from cluster.metrics import JobMetrics
-from workers.actor import StepBatch, StepOutput, WorkerSpec  # noqa: F401 (types)
+from workers.actor import LocalGroup, StepBatch, StepOutput, WorkerSpec
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
 
 log = logging.getLogger(__name__)
@@ -148,18 +148,32 @@ class ShardedGroup:
         self.actors = [cls.options(name=f"kvfleet-{tag}-{p.spec.name.replace('/', '.')}",
                                    **p.options).remote(p.spec, p.kind, r, self.owners[r])
                        for r, p in enumerate(placements)]
-        try:  # waits for the model loads; an actor no node can host never starts
-            self.info = ray.get([a.info.remote() for a in self.actors], timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.close()
-            raise RuntimeError(f"worker actors did not start within {start_timeout_s:.0f}s; does "
-                               f"a node offer what they ask for? {[p.options for p in placements]}") from None
+        refs = [a.info.remote() for a in self.actors]
+        self.info: list[dict | None] = []
+        deadline = time.monotonic() + start_timeout_s
+        for name, ref in zip(self.names, refs):  # waits for the model loads
+            try:
+                self.info.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+            except ray.exceptions.GetTimeoutError:  # an actor no node can host never starts
+                self.close()
+                raise RuntimeError(f"worker actors did not start within {start_timeout_s:.0f}s; does "
+                                   f"a node offer what they ask for? {[p.options for p in placements]}") from None
+            except ray.exceptions.RayActorError as e:  # died while loading: recovered below
+                log.warning("worker %s died while starting: %s", name, _why(e))
+                self.info.append(None)
+        started = [i for i, info in enumerate(self.info) if info is not None]
+        if not started:
+            raise RuntimeError(f"all {len(self.actors)} worker actors died while starting")
         if sharded:
             peers = dict(enumerate(self.actors))
-            ray.get([a.connect.remote(peers) for a in self.actors])
+            ray.get([self.actors[i].connect.remote(peers) for i in started])
         for i in self.info:
-            log.info("worker %s: %s on %s pid %s, %d slots, %d routed experts", i["name"],
-                     i["device"], i["host"], i["pid"], i["slots"], i["experts"])
+            if i is not None:
+                log.info("worker %s: %s on %s pid %s, %d slots, %d routed experts", i["name"],
+                         i["device"], i["host"], i["pid"], i["slots"], i["experts"])
+        lost = [i for i, info in enumerate(self.info) if info is None]
+        if lost:  # before the first step: the survivors take the experts, the slots are gone
+            self._recover(lost)
 
     # -- steps ----------------------------------------------------------------------------
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
@@ -303,8 +317,7 @@ def start_group(cfg: JobConfig):
     placements = fleet_placements(cfg)
     sharded = cfg.workers.experts == "sharded"
     if cfg.workers.runtime == "inprocess":
-        group = local_group(cfg, placements, sharded)
-        return group, lambda: setattr(group, "final_stats", [w.stats() for w in group.workers])
+        return local_group(cfg, placements, sharded), lambda: None
     import ray
     from cluster.jobs.generate import connect_ray
     started = connect_ray(cfg, [(p.spec, p.options) for p in placements])
@@ -317,14 +330,21 @@ def start_group(cfg: JobConfig):
     return group, close
 
 
+class LocalShardedGroup(LocalGroup):
+    """ShardedWorkers in this process over LocalTransport."""
+
+    @property
+    def final_stats(self) -> list[dict]:
+        return [w.stats() for w in self.workers]
+
+
 def local_group(cfg: JobConfig, placements: list[Placement], sharded: bool = True):
-    from workers.actor import LocalGroup
     from workers.ep_worker import ShardedWorker
     owners, _ = split_owners(cfg, [p.expert_room for p in placements], sharded)
     workers = [ShardedWorker(p.spec, p.kind, r, owners[r]) for r, p in enumerate(placements)]
     for w in workers:
         w.connect(dict(enumerate(workers)), transport="local")
-    return LocalGroup(workers)
+    return LocalShardedGroup(workers)
 
 
 def _why(exc: BaseException | None) -> str:

@@ -27,37 +27,53 @@ def config(tiny, **kw):
     return load_job_config(env={}, overrides=over)
 
 
-@pytest.mark.slow
-def test_killed_worker_loses_no_request(tmp_path, caplog):
-    tiny = make_tiny(tmp_path / "tiny")
-    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N, seed=2, max_tokens=14))
-    run_generate(config(tiny), prompts, tmp_path / "ref.parquet", progress=False)
-    reference = rows_by_id(tmp_path / "ref.parquet")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
 
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_lines(tmp_path_factory.mktemp("p") / "p.jsonl", prompt_lines(N, seed=2, max_tokens=14))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "ref.parquet"
+    run_generate(config(tiny), prompts, out, progress=False)
+    return rows_by_id(out)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    c, ray = start_cluster()
+    yield ray
+    stop_cluster(c, ray)
+
+
+@pytest.mark.slow
+def test_killed_worker_loses_no_request(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
+    ray = ray_cluster
     fleet = fleet_yaml(tmp_path / "fleet.yaml", slots=(3, 2, 1))
     cfg = config(tiny, workers={"fleet": str(fleet), "experts": "sharded", "num_cpus": 1})
     out = tmp_path / "out.parquet"
     parts = tmp_path / "out.parquet.parts"
-    c, ray = start_cluster()
-    try:
-        caplog.set_level(logging.INFO)
-        box: dict = {}
-        job = threading.Thread(target=lambda: box.update(s=run_generate(cfg, prompts, out, progress=False)))
-        job.start()
-        victim = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and job.is_alive():
-            if parts.exists() and len(list(parts.glob("part-*.parquet"))) >= 2:  # mid-job
-                victim = next(n for n in ray.util.list_named_actors()  # this job's namespace
-                              if n.endswith(VICTIM.replace("/", ".")))
-                ray.kill(ray.get_actor(victim))
-                break
-            time.sleep(0.01)
-        job.join(timeout=180)
-        assert victim is not None and not job.is_alive()
-        s = box["s"]
-    finally:
-        stop_cluster(c, ray)
+    caplog.set_level(logging.INFO)
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.update(s=run_generate(cfg, prompts, out, progress=False)))
+    job.start()
+    victim = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job.is_alive():
+        if parts.exists() and len(list(parts.glob("part-*.parquet"))) >= 2:  # mid-job
+            victim = next(n for n in ray.util.list_named_actors()  # this job's namespace
+                          if n.endswith(VICTIM.replace("/", ".")))
+            ray.kill(ray.get_actor(victim))
+            break
+        time.sleep(0.01)
+    job.join(timeout=180)
+    assert victim is not None and not job.is_alive()
+    s = box["s"]
     ids = pq.read_table(out).column("id").to_pylist()
     assert sorted(ids) == sorted(reference)  # every id exactly once
     rows = rows_by_id(out)
@@ -72,6 +88,38 @@ def test_killed_worker_loses_no_request(tmp_path, caplog):
     assert f"worker {VICTIM} died" in text and "re-queueing its" in text
     moved = [r for r in caplog.records if "of their routed experts moved to" in r.getMessage()]
     assert len(moved) == 1 and moved[0].args[1] > 0  # it held experts; they moved
+
+
+@pytest.mark.slow
+def test_worker_that_dies_while_starting(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
+    """A worker whose model load fails (its actor dies before the first step): the others
+    take its experts at once and serve everything."""
+    from dataclasses import replace
+    from cluster.ep_group import ShardedGroup, fleet_placements
+    from cluster.jobs.generate import _eos, _prepare
+    from cluster.requests import read_requests
+    from cluster.scheduler import Scheduler
+    from workers.config import ModelConfig
+    from workers.tokenizer import Tokenizer
+    cfg = config(tiny, workers={"fleet": str(fleet_yaml(tmp_path / "f.yaml")), "experts": "sharded"})
+    pl = fleet_placements(cfg)
+    pl[1] = replace(pl[1], spec=replace(pl[1].spec, model=str(tmp_path / "no-such-model")))
+    caplog.set_level(logging.INFO)
+    group = ShardedGroup(cfg, pl)
+    try:
+        assert group.info[1] is None and group.dead == {1} and group.capacities[1] == 0
+        assert "worker cuda-b/cuda0 died while starting" in caplog.text
+        tok, mcfg = Tokenizer.from_dir(tiny), ModelConfig.from_file(tiny / "config.json")
+        items = [_prepare(r, cfg, tok, mcfg.vocab_size) for r in read_requests(prompts)][:8]
+        got = []
+        Scheduler(group, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
+                  eos_ids=_eos(tok, mcfg), decode=tok.decode, tier=cfg.kv).run(items, got.append)
+        assert len(got) == 8 and {r.worker for r in got} == {"cuda-a/cuda0", "mac/metal0"}
+        for r in got:
+            assert r.error is None and r.completion_tokens == reference[r.id]["completion_tokens"]
+        assert sum(s["expert_pins"] for s in group.worker_stats()) == 16
+    finally:
+        group.close()
 
 
 def requeued_ids(caplog) -> set[str]:
@@ -112,7 +160,7 @@ def batch(keys, tokens, positions, sample_at):
                      counter=np.zeros(m, np.uint64))
 
 
-def test_step_rerun_after_a_part_way_failure_is_exact(tmp_path):
+def test_step_rerun_after_a_part_way_failure_is_exact(tiny):
     """A survivor's step that failed in its last MoE layer (KV of the earlier layers already
     written, a new slot already mapped) and is then re-run gives the clean run's tokens and
     the clean run's KV rows, and decoding goes on identically."""
@@ -120,7 +168,6 @@ def test_step_rerun_after_a_part_way_failure_is_exact(tmp_path):
     from workers.actor import WorkerSpec
     from workers.config import ModelConfig
     from workers.ep_worker import ShardedWorker
-    tiny = make_tiny(tmp_path / "tiny")
     cfg = ModelConfig.from_file(tiny / "config.json")
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     owners = {l: np.arange(cfg.n_routed_experts, dtype=np.int32) % 2 for l in moe}
