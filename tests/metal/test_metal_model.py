@@ -89,6 +89,23 @@ def test_ragged_batch_matches_numpy_and_counts_fallbacks(models):
     assert mlx_model.drain_fallbacks() == {} and pools[1].stats.fallback_count() > 0
 
 
+def test_latent_norms_ignore_rms_norm_eps(tiny_dir, tmp_path):
+    """q_a/kv_a norms use eps 1e-6 whatever rms_norm_eps says (workers/mla.py); a large
+    rms_norm_eps (GLM-5 sets 1e-5) must move both models' logits the same way."""
+    import json
+    import shutil
+    d = tmp_path / "tiny-eps"
+    shutil.copytree(tiny_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rms_norm_eps"] = 0.05
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref = Model.load(d)
+    mlx_model = MLXModel(ref.config, load_params(d, ref.config))
+    _, want = greedy(ref, KVPool, "f32", PROMPT, 4)
+    _, got = greedy(mlx_model, MLXKVPool, "f32", PROMPT, 4)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
 def test_load_metal_factory_shares_stats(tiny_dir):
     model, pool = load_metal(tiny_dir, "tq4", slots=2, max_context=32)
     assert pool.stats is model.stats and pool.tier.name == "tq4"
