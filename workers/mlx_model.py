@@ -27,6 +27,7 @@ from kernels.metal.backend import KernelStats
 from kernels.metal.pool import MLXKVPool
 from workers.config import ModelConfig
 from workers.mla import LATENT_NORM_EPS
+from workers.model import check_batch
 from workers.moe import route
 from workers.rope import Rope
 from workers.weights import load_params
@@ -164,16 +165,7 @@ class MLXModel:
 
     def forward(self, tokens, slots, positions, pool: MLXKVPool, logits_at=None) -> np.ndarray:
         """Logits [N, vocab] (or [len(logits_at), vocab]) float32 for a flat token batch."""
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        slots = np.asarray(slots, np.int64).reshape(-1)
-        positions = np.asarray(positions, np.int64).reshape(-1)
-        if not (len(tokens) == len(slots) == len(positions)) or len(tokens) == 0:
-            raise ValueError(f"tokens, slots, positions must be equal non-empty lengths, got "
-                             f"{len(tokens)}, {len(slots)}, {len(positions)}")
-        V = self.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= V or positions.min() < 0:
-            raise ValueError(f"token ids must lie in [0, {V}) and positions be >= 0; got ids "
-                             f"{tokens.min()}..{tokens.max()}, positions from {positions.min()}")
+        tokens, slots, positions = check_batch(tokens, slots, positions, self.config.vocab_size)
         with mx.stream(self.device):
             cos, sin = (mx.array(a) for a in self.rope.cos_sin(positions))
             x = self.embed[mx.array(tokens.astype(np.int32))]

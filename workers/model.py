@@ -23,6 +23,23 @@ from workers.weights import load_params
 log = logging.getLogger(__name__)
 
 
+def check_batch(tokens, slots, positions, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A flat forward batch as int64 arrays [N]; ValueError naming the bad values. Shared by
+    the numpy and MLX models."""
+    tokens = np.asarray(tokens, np.int64).reshape(-1)
+    slots = np.asarray(slots, np.int64).reshape(-1)
+    positions = np.asarray(positions, np.int64).reshape(-1)
+    if not (len(tokens) == len(slots) == len(positions)) or len(tokens) == 0:
+        raise ValueError(f"tokens, slots, positions must be equal non-empty lengths, got "
+                         f"{len(tokens)}, {len(slots)}, {len(positions)}")
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        bad = tokens[(tokens < 0) | (tokens >= vocab)][:5].tolist()
+        raise ValueError(f"token ids {bad} are outside the vocabulary [0, {vocab})")
+    if positions.min() < 0:
+        raise ValueError(f"negative positions {positions[positions < 0][:5].tolist()}")
+    return tokens, slots, positions
+
+
 class Layer:
     def __init__(self, cfg: ModelConfig, i: int, p: dict[str, np.ndarray], rope: Rope):
         self.i, self.cfg, self.p = i, cfg, p
@@ -67,18 +84,7 @@ class Model:
 
     def forward(self, tokens, slots, positions, pool, logits_at=None) -> np.ndarray:
         """Logits [N, vocab] (or [len(logits_at), vocab]) f32 for a flat batch of tokens."""
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        slots = np.asarray(slots, np.int64).reshape(-1)
-        positions = np.asarray(positions, np.int64).reshape(-1)
-        if not (len(tokens) == len(slots) == len(positions)) or len(tokens) == 0:
-            raise ValueError(f"tokens, slots, positions must be equal non-empty lengths, got "
-                             f"{len(tokens)}, {len(slots)}, {len(positions)}")
-        V = self.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= V:
-            bad = tokens[(tokens < 0) | (tokens >= V)][:5].tolist()
-            raise ValueError(f"token ids {bad} are outside the vocabulary [0, {V})")
-        if positions.min() < 0:
-            raise ValueError(f"negative positions {positions[positions < 0][:5].tolist()}")
+        tokens, slots, positions = check_batch(tokens, slots, positions, self.config.vocab_size)
         self._note_dense_dsa(positions)
         x = self.embed[tokens]
         cos, sin = self.rope.cos_sin(positions)

@@ -106,6 +106,19 @@ def test_latent_norms_ignore_rms_norm_eps(tiny_dir, tmp_path):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
+def test_bad_inputs_name_the_values(models):
+    _, mlx_model = models
+    pool = MLXKVPool.for_model(mlx_model.config, "f32", slots=1, max_ctx=8, block_size=8)
+    s = pool.alloc_slot()
+    V = mlx_model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"ids \[{V}\] are outside the vocabulary"):
+        mlx_model.forward([1, V], [s, s], [0, 1], pool)
+    with pytest.raises(ValueError, match=r"negative positions \[-3\]"):
+        mlx_model.forward([1], [s], [-3], pool)
+    with pytest.raises(ValueError, match="equal"):
+        mlx_model.forward([1, 2], [s], [0, 1], pool)
+
+
 def test_load_metal_factory_shares_stats(tiny_dir):
     model, pool = load_metal(tiny_dir, "tq4", slots=2, max_context=32)
     assert pool.stats is model.stats and pool.tier.name == "tq4"
