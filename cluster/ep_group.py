@@ -2,13 +2,7 @@
 dense weights, its share of the KV slots and a shard of the routed experts; lockstep steps;
 recovery when a worker dies.
 
-Placement (`fleet_placements`): a device of kind K asks Ray for its node's `resources`
-(split over the node's devices) or, when the fleet gives none, `{"kvfleet_<K>": 1}`, plus
-the node's `labels` as a label selector; a cuda device adds num_gpus=1 only together with
-those (Ray also counts Apple GPUs as GPUs). Expert split: cluster.planner.split_experts over
-each device's room for experts in the budget plan (free + pinned bytes), so every routed
-expert has exactly one owner: dealt out evenly when an even share fits every device,
-else most room first (`even_rooms`).
+Placement and the expert split: cluster/placement.py.
 
 A step (`step_all`) submits every worker's batch at once. When some fail, the group pings
 every live worker (`alive`, served in the experts concurrency group even mid-step) to see
@@ -26,14 +20,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cluster.config import JobConfig, JobConfigError
+from cluster.config import JobConfig
 from cluster.metrics import JobMetrics
-from workers.actor import LocalGroup, StepBatch, StepOutput, WorkerSpec
+from cluster.placement import Placement, even_rooms, fleet_placements, split_owners
+from workers.actor import LocalGroup, StepBatch, StepOutput
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
 
 log = logging.getLogger(__name__)
@@ -41,87 +35,6 @@ log = logging.getLogger(__name__)
 
 class WorkerDied(RuntimeError):
     """The step result of a worker found dead (the scheduler re-queues its sequences)."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    spec: WorkerSpec
-    kind: str  # cuda | cpu | metal
-    options: dict[str, Any]  # Ray actor options
-    expert_room: int  # bytes this worker may fill with routed experts (split weights)
-
-
-def fleet_placements(cfg: JobConfig) -> list[Placement]:
-    """One Placement per fleet device, or `workers.count` alike cpu workers without a fleet."""
-    from cluster.footprint import Footprint
-    w = cfg.workers
-    if w.fleet is None:
-        opts = _options("cpu", w.num_cpus, w.resources, w.label_selector, default_resource=False)
-        return [Placement(_spec(cfg, f"worker{i}", cfg.slots), "cpu", opts, 1)
-                for i in range(w.count)]
-    from cluster.fleet import Fleet, FleetError, device_budgets
-    from cluster.memory_probe import free_bytes
-    from cluster.planner import PlanError, plan
-    try:
-        fleet = Fleet.from_file(w.fleet)
-        budgets = device_budgets(fleet, free_bytes)  # "auto": measured on this machine
-        p = plan(Footprint.from_file(cfg.model), budgets, tier=cfg.kv, ctx=cfg.max_context,
-                 experts=fleet.plan.experts)
-    except (FleetError, PlanError) as e:
-        raise JobConfigError(f"workers.fleet: {e}") from None
-    out = []
-    for dev, dp in zip(fleet.devices(), p.devices):
-        n = dev.node
-        res = {k: v / n.devices for k, v in n.resources.items()}
-        out.append(Placement(_spec(cfg, dev.name, n.slots), n.kind,
-                             _options(n.kind, w.num_cpus, res, n.labels),
-                             max(dp.free_bytes + dp.pinned_bytes, 1)))
-    return out
-
-
-def _options(kind: str, num_cpus: float, resources: dict[str, float], labels: dict[str, str],
-             default_resource: bool = True) -> dict[str, Any]:
-    """Ray actor options; a fleet device with no resources of its own asks for kvfleet_<kind>."""
-    opts: dict[str, Any] = {"num_cpus": num_cpus}
-    if resources or default_resource:
-        opts["resources"] = dict(resources) or {f"kvfleet_{kind}": 1.0}
-    if labels:
-        opts["label_selector"] = dict(labels)
-    if kind == "cuda":
-        opts["num_gpus"] = 1
-    return opts
-
-
-def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
-    from cluster.jobs.generate import _spec as job_spec  # one place builds a WorkerSpec
-    return job_spec(cfg, name, slots)
-
-
-def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[dict], int]:
-    """Per worker its owner table {MoE layer: int32[E] owner rank}, and the bytes of one
-    expert. Replicated: every worker owns every expert (its own rank everywhere)."""
-    from cluster.footprint import Footprint
-    from cluster.planner import split_experts
-    fp = Footprint.from_file(cfg.model)
-    E, layers = fp.config.n_routed_experts, [l for l in fp.moe_layers if l < fp.config.num_hidden_layers]
-    eb = fp.expert_bytes("bf16")
-    if not sharded:
-        return [{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))], eb
-    a = split_experts(fp, even_rooms(rooms, fp.routed_experts, eb), "bf16")
-    owners = {l: np.full(E, -1, np.int32) for l in layers}
-    for (l, e), o in zip(a.experts.tolist(), a.owner.tolist()):
-        if l in owners:  # MTP layers are not run
-            owners[l][e] = o
-    return [owners] * len(rooms), eb
-
-
-def even_rooms(rooms: list[int], n_experts: int, expert_bytes: int) -> list[int]:
-    """The rooms the split should see. When an even share of the experts fits every
-    worker, equal rooms (the split deals them out round-robin: the same compute and traffic
-    on every worker); otherwise the real rooms (most room first, as the planner pins).
-    Without this, tiny experts would all go to the one worker with the least KV."""
-    share = -(-n_experts // max(len(rooms), 1)) * expert_bytes
-    return [max(rooms)] * len(rooms) if min(rooms) >= share else list(rooms)
 
 
 class ShardedGroup:

@@ -95,7 +95,8 @@ def test_worker_that_dies_while_starting(tiny, prompts, reference, ray_cluster, 
     """A worker whose model load fails (its actor dies before the first step): the others
     take its experts at once and serve everything."""
     from dataclasses import replace
-    from cluster.ep_group import ShardedGroup, fleet_placements
+    from cluster.ep_group import ShardedGroup
+    from cluster.placement import fleet_placements
     from cluster.jobs.generate import _eos, _prepare
     from cluster.requests import read_requests
     from cluster.scheduler import Scheduler
