@@ -25,19 +25,15 @@ from kvstore.coli import ColiKVFile  # noqa: E402
 from kvstore.disk import ArrowKVFile  # noqa: E402
 from kvstore.fingerprint import Fingerprint  # noqa: E402
 from kvstore.records import RecordLayout  # noqa: E402
+from scripts.make_tiny_model import base_config  # noqa: E402
+from workers.config import ModelConfig  # noqa: E402
 
-TINY = Fingerprint(n_layers=3, kv_lora=512, rope=64, index_hd=0, n_indexer_layers=0, vocab=512)
 TIERS = ["f32", "kv8", "tq4", "polar3"]
 FORMATS = {"arrow": ArrowKVFile, "coli": ColiKVFile}
 
 
 def tiny_fingerprint() -> Fingerprint:
-    """The fingerprint of make_tiny_model.py's config (falls back to TINY if it moved)."""
-    try:
-        from scripts.make_tiny_model import base_config  # noqa: PLC0415
-        from workers.config import ModelConfig  # noqa: PLC0415
-    except ImportError:
-        return TINY
+    """The fingerprint of make_tiny_model.py's config."""
     return Fingerprint.from_config(ModelConfig.from_dict(base_config(set()), source="make_tiny_model"))
 
 
