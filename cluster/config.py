@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.cli import UsageError
-from kernels.tiers import TIERS
+from kernels.tiers import TIERS, get_tier
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,7 @@ class JobConfig(_Frozen):
     @field_validator("kv")
     @classmethod
     def _known_tier(cls, v: str) -> str:
-        if v not in TIERS:
-            raise ValueError(f"unknown KV tier {v!r}; choose one of {sorted(TIERS)}")
-        return v
+        return get_tier(v).name  # TierError (a ValueError) names the tier and the choices
 
     @field_validator("model")
     @classmethod

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from cluster.footprint import WEIGHT_FORMATS
 from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
-from kernels.tiers import TIERS
+from kernels.tiers import get_tier
 
 
 class FleetError(ValueError):
@@ -77,9 +77,7 @@ class PlanDefaults(_Frozen):
     @field_validator("kv")
     @classmethod
     def _tier(cls, v: str) -> str:
-        if v not in TIERS:
-            raise ValueError(f"unknown KV tier {v!r}; choose one of {sorted(TIERS)}")
-        return v
+        return get_tier(v).name  # TierError (a ValueError) names the tier and the choices
 
     @field_validator("experts")
     @classmethod
