@@ -94,7 +94,7 @@ class ShardedGroup:
         pending = {i: b for i, b in batches.items() if i not in self.dead}
         for i in set(batches) - set(pending):
             out[i] = WorkerDied(f"worker {self.names[i]} is dead")
-        for _ in range(len(self.actors)):
+        while pending:  # each further round follows a new death, so this ends
             results = self._run(pending)
             failed = {i: r for i, r in results.items() if isinstance(r, BaseException)}
             out.update({i: r for i, r in results.items() if i not in failed})
