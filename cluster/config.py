@@ -12,7 +12,8 @@ the field path, and carries the bad value.
     block_size: 16               # tokens per KV block
     prefill_chunk: 256           # prompt tokens per scheduler step, over all slots
     sampling: {max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0}
-    workers: {count: 1, fleet: null, num_cpus: 1, resources: {}, label_selector: {}}
+    workers: {count: 1, fleet: null, num_cpus: 1, resources: {}, label_selector: {},
+              experts: replicated}   # or sharded: expert parallel (cluster/ep_group.py)
     kv_cache_dir: null           # a dir: save each request's KV, resume shared prefixes
     kv_cache_format: arrow       # arrow | coli (the C engine's .coli_kv)
 """
