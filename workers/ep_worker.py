@@ -8,8 +8,8 @@ worker blocked in its own step waiting for a peer still answers that peer (no de
 whatever the two are doing), and a worker with no sequences in a step still serves.
 
 Kinds: `metal` runs the MLX model (workers.mlx_model.load_metal; the MLX CPU backend off
-Apple silicon), `cpu` and `cuda` the numpy model (there is no CUDA model yet: a cuda
-worker is placed on its node by resources but computes on the host). Routed experts are
+Apple silicon), `cuda` the CuPy model (workers.cuda_model.load_cuda; the numpy model, with
+a warning, where CuPy sees no GPU), `cpu` the numpy model. Routed experts are
 always computed on the host with numpy, on every kind, so peer calls never touch the MLX
 stream of the step thread.
 """
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from workers import cuda_model
 from workers.actor import StepBatch, StepOutput, Worker, WorkerSpec
 from workers.expert_shard import ShardedExperts, read_experts, take_shard
 
@@ -50,6 +51,9 @@ class ShardedWorker(Worker):
             model, pool = self._mlx_thread.submit(
                 load_metal, self.model_dir, spec.tier, spec.slots, spec.max_context,
                 spec.block_size, experts=mine).result()
+        elif kind == "cuda" and cuda_model.use_cuda(spec.name):  # else numpy, said once
+            model, pool = cuda_model.load_cuda(self.model_dir, spec.tier, spec.slots,
+                                               spec.max_context, spec.block_size, experts=mine)
         else:
             from workers.model import Model
             from workers.weights import load_params
