@@ -69,10 +69,11 @@ def main() -> None:
     gpu = CudaModel.load(a.model)
     cfg = cpu.config
     ctx = a.prompt + WARMUP + a.steps
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
     print(f"model {a.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts, vocab {cfg.vocab_size}")
-    print(f"device {props['name'].decode()}, CuPy {cp.__version__}, numpy {np.__version__}, "
+    print(f"device {name}, CuPy {cp.__version__}, numpy {np.__version__}, "
           f"{os.cpu_count()} host cores; prompt {a.prompt}, {WARMUP} warm-up + {a.steps} timed "
           f"decode steps")
     print()
