@@ -70,14 +70,17 @@ def _hadamard_columns(at: np.ndarray) -> np.ndarray:
     """In place on at[n, rows] (one row per column); returns at."""
     n, rows = at.shape
     h = 1
-    while h < n:  # log2(n) stages; each is one float32 add and one subtract
-        v = at.reshape(n // (2 * h), 2, h * rows)
-        lo, hi = v[:, 0, :], v[:, 1, :]
-        s = lo + hi
-        np.subtract(lo, hi, out=hi)
-        lo[...] = s
-        h *= 2
-    at *= np.float32(1.0) / np.sqrt(np.float32(n))
+    # float32 as the contract has it: rows near the float32 limit overflow to Inf (and
+    # Inf - Inf to NaN) just as in the C engine; the codecs' rules handle such rows.
+    with np.errstate(over="ignore", invalid="ignore"):
+        while h < n:  # log2(n) stages; each is one float32 add and one subtract
+            v = at.reshape(n // (2 * h), 2, h * rows)
+            lo, hi = v[:, 0, :], v[:, 1, :]
+            s = lo + hi
+            np.subtract(lo, hi, out=hi)
+            lo[...] = s
+            h *= 2
+        at *= np.float32(1.0) / np.sqrt(np.float32(n))
     return at
 
 

@@ -52,7 +52,8 @@ def column_norms(xt: np.ndarray) -> np.ndarray:
     from index 0 upward (a reduction over the outer axis adds whole rows in order)."""
     sq = xt.astype(np.float64)
     sq *= sq
-    return np.sqrt(np.add.reduce(sq, axis=0)).astype(np.float32)
+    with np.errstate(over="ignore"):  # a norm past float32 becomes Inf: an inert row
+        return np.sqrt(np.add.reduce(sq, axis=0)).astype(np.float32)
 
 
 def row_norms(x: np.ndarray) -> np.ndarray:
