@@ -188,15 +188,18 @@ class CudaLayer:
         experts, starts = np.unique(flat[order], return_index=True)
         ends = np.append(starts[1:], len(order))
         rank = np.argsort(np.argsort(idx, axis=1, kind="stable"), axis=1)  # pick's place in its sum
-        dest = cp.asarray(((order // k) * k + rank.reshape(-1)[order]).astype(np.int64))
+        dest = (order // k) * k + rank.reshape(-1)[order]  # [token, place] of each grouped pick
+        back = np.empty_like(dest)
+        back[dest] = np.arange(len(dest))  # grouped row of each [token, place]
         tok = cp.asarray((order // k).astype(np.int64))
+        back = cp.asarray(back.astype(np.int64))
         wts = cp.asarray(w.reshape(-1)[order].astype(np.float32))[:, None]
-        xs = y[tok]  # [P, hidden], grouped by expert
+        xs = cp.take(y, tok, axis=0)  # [P, hidden], grouped by expert
         gu, down = self.d["experts.gate_up"], self.d["experts.down"]
-        z = cp.empty((N * k, y.shape[1]), cp.float32)  # [token, place] -> weighted output
+        ys = cp.empty_like(xs)  # weighted expert outputs, grouped by expert
         for e, a, b in zip(experts.tolist(), starts.tolist(), ends.tolist()):
-            z[dest[a:b]] = gated_mlp(xs[a:b], gu[e], down[e]) * wts[a:b]
-        z = z.reshape(N, k, -1)
+            cp.multiply(gated_mlp(xs[a:b], gu[e], down[e]), wts[a:b], out=ys[a:b])
+        z = cp.take(ys, back, axis=0).reshape(N, k, -1)
         out = z[:, 0].copy()
         for j in range(1, k):
             out += z[:, j]
@@ -260,11 +263,11 @@ class CudaModel:
                              f"{tokens.min()}..{tokens.max()}, positions from {positions.min()}")
         Model._note_dense_dsa(self, positions)  # the numpy model's DSA notice, same state
         cos, sin = (cp.asarray(a) for a in self.rope.cos_sin(positions))
-        x = self.embed[cp.asarray(tokens)]
+        x = cp.take(self.embed, cp.asarray(tokens), axis=0)
         for layer in self.layers:
             x = layer(x, slots, positions, pool, cos, sin)
         if logits_at is not None:
-            x = x[cp.asarray(np.asarray(logits_at, np.int64))]
+            x = cp.take(x, cp.asarray(np.asarray(logits_at, np.int64)), axis=0)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return (x @ self.lm_head.T).get()
 

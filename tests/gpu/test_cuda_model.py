@@ -3,7 +3,10 @@ a DevicePool) against the numpy model on the host pool.
 
 Tolerance: the CUDA attention kernel rounds K/V, queries and softmax weights to f16 (about
 2e-3 relative error per context, tests/gpu/test_attention_gpu.py); every other op is f32.
-Logits must agree to a relative L2 error of LOGIT_RTOL per row. Greedy decoding must give
+Logits must agree to a relative L2 error of LOGIT_RTOL[tier] per row: f32 is the f16
+attention alone (seen: <= 9.6e-4); on kv8 and tq4 the small f32 differences of the latent
+rows also flip some codes (a kv8 element by up to 1/16, a tq4 one by a level gap), so
+those tiers get more room (seen on the H200: kv8 <= 6.1e-3, tq4 1.6e-2). Greedy decoding must give
 the same tokens over 64 steps; a flip that the measured logit error explains (a near-tie)
 is reported as an expected failure with its figures (run with -rx to see them)."""
 import importlib.util
@@ -27,7 +30,7 @@ from workers.model import Model  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 MINI = ROOT / "models" / "kvfleet-mini"
 STEPS = 64
-LOGIT_RTOL = 1e-2
+LOGIT_RTOL = {"f32": 3e-3, "kv8": 2e-2, "tq4": 5e-2}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def rel_rows(a, b):
 
 
 def compare_greedy(model_dir, tier, prompt):
-    """Greedy tokens equal over STEPS, logits within LOGIT_RTOL at every step. A differing
+    """Greedy tokens equal over STEPS, logits within LOGIT_RTOL[tier] at every step. A differing
     token is an expected failure (xfail, with the figures) only where it is a near-tie the
     measured logit error explains: the CPU's top-2 margin there <= 2 x max |gpu - cpu|."""
     cpu_model = Model.load(model_dir)
@@ -68,7 +71,7 @@ def compare_greedy(model_dir, tier, prompt):
     err = rel_rows(np.array(gpu_rows[:same + 1]), np.array(cpu_rows[:same + 1]))
     print(f"\n{model_dir.name} {tier}: greedy tokens equal for {same} of {STEPS} steps, "
           f"logits rel err max {err.max():.2e} median {np.median(err):.2e}")
-    assert err.max() < LOGIT_RTOL, f"logits rel err {err.max():.3g} (step {err.argmax()})"
+    assert err.max() < LOGIT_RTOL[tier], f"logits rel err {err.max():.3g} (step {err.argmax()})"
     assert not pool.counters.fallbacks
     assert pool.counters.rows_uploaded == 0  # rows are made on the device, never uploaded
     if same < STEPS:
@@ -76,7 +79,7 @@ def compare_greedy(model_dir, tier, prompt):
         margin, dev = top2[1] - top2[0], np.abs(gpu_rows[same] - cpu_rows[same]).max()
         msg = (f"{model_dir.name} {tier}: greedy tokens equal for {same} of {STEPS} steps, then "
                f"gpu {gpu[same]} cpu {cpu[same]}: cpu top-2 margin {margin:.3g}, max |gpu - cpu| "
-               f"logit {dev:.3g}, rel err {err[-1]:.3g}; logits within {LOGIT_RTOL} up to there")
+               f"logit {dev:.3g}, rel err {err[-1]:.3g}; logits within {LOGIT_RTOL[tier]} up to there")
         if margin <= 2 * dev:
             pytest.xfail("near-tie flip: " + msg)
         pytest.fail(msg)
@@ -119,7 +122,7 @@ def test_logits_prefill_and_ragged_decode_match_numpy(tiny_dir, tier):
         got = gpu_model.forward(tokens, sl, pos, dev, logits_at=at)
         assert got.dtype == np.float32 and got.shape == want.shape
         errs.append(rel_rows(got, want).max())
-        assert errs[-1] < LOGIT_RTOL, rel_rows(got, want)
+        assert errs[-1] < LOGIT_RTOL[tier], rel_rows(got, want)
 
     # prefill: slots 0 and 1 mixed in one batch (two chunks), then slot 2
     tok = np.concatenate([hist[0, :lens[0]], hist[1, :lens[1]]])
