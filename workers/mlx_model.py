@@ -28,7 +28,7 @@ from kernels.metal.pool import MLXKVPool
 from workers.config import ModelConfig
 from workers.mla import LATENT_NORM_EPS
 from workers.model import check_batch
-from workers.moe import route
+from workers.moe import picks_by_expert, route
 from workers.rope import Rope
 from workers.weights import load_params
 
@@ -103,15 +103,10 @@ class MLXLayer:
             if "shared.gate" in p:
                 out = out + gated_mlp(x, p["shared.gate"], p["shared.up"], p["shared.down"])
             return out
-        flat = idx.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
-        ends = np.append(starts[1:], len(order))
         k = idx.shape[1]
         wf = w.reshape(-1)
         out = mx.zeros_like(x)
-        for e, a, b in zip(experts.tolist(), starts, ends):  # one matmul set per used expert
-            pick = order[a:b]
+        for e, pick in picks_by_expert(idx):  # one matmul set per used expert
             tok = mx.array((pick // k).astype(np.int32))  # a token picks an expert at most once
             y = gated_mlp(x[tok], p["experts.gate"][e], p["experts.up"][e], p["experts.down"][e])
             out = out.at[tok].add(y * mx.array(wf[pick])[:, None])

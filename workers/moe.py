@@ -64,18 +64,22 @@ def expert_sum(x: np.ndarray, idx: np.ndarray, w: np.ndarray, gate: np.ndarray, 
     """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, hidden]; idx [N, k] are rows of the
     stacked gate/up [E, I, hidden] and down [E, hidden, I]; picks with idx < 0 are skipped."""
     out = np.zeros_like(x)
-    # Group the (token, pick) pairs by expert: one matmul per expert that has tokens.
+    wf = w.reshape(-1)
+    for e, pick in picks_by_expert(idx):  # one matmul per expert that has tokens
+        tok = pick // idx.shape[1]  # each token picks an expert at most once: no repeated rows
+        out[tok] += gated_mlp(x[tok], gate[e], up[e], down[e]) * wf[pick, None]
+    return out
+
+
+def picks_by_expert(idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The picks of idx [N, k] grouped by expert, ascending: [(expert, flat pick indices
+    into idx.reshape(-1), ascending)]; pick // k is the token. Picks with idx < 0 are skipped."""
     flat = idx.reshape(-1)
     order = np.argsort(flat, kind="stable")
     order = order[flat[order] >= 0]
     experts, starts = np.unique(flat[order], return_index=True)
     ends = np.append(starts[1:], len(order))
-    k = idx.shape[1]
-    for e, a, b in zip(experts, starts, ends):
-        pick = order[a:b]
-        tok = pick // k  # each token picks an expert at most once: no repeated rows
-        out[tok] += gated_mlp(x[tok], gate[e], up[e], down[e]) * w.reshape(-1)[pick, None]
-    return out
+    return [(e, order[a:b]) for e, a, b in zip(experts.tolist(), starts.tolist(), ends.tolist())]
 
 
 class MoE:
