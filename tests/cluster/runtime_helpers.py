@@ -1,8 +1,9 @@
-"""Helpers of the runtime tests: a tiny checkpoint, prompt files, result tables."""
+"""Helpers of the runtime tests: a tiny checkpoint, prompt files, result tables, free ports."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -48,3 +49,14 @@ def prepared(i: int, ids, max_tokens: int = 6):
     from cluster.scheduler import Prepared
     return Prepared(Request(id=f"r{i}", line=i + 1), np.asarray(ids, np.int32), max_tokens,
                     0.0, 1.0, 0)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports free right now (all bound at once, so no two are equal)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

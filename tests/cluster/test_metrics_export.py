@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -15,16 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster.config import REPO_ROOT, load_job_config
-from runtime_helpers import make_tiny, prompt_lines, write_lines
+from runtime_helpers import free_ports, make_tiny, prompt_lines, write_lines
 
 pytestmark = pytest.mark.slow
 DASHBOARD = REPO_ROOT / "configs" / "dashboards" / "kvfleet.json"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -75,9 +68,9 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
     from cluster.jobs.generate import run_generate
     from cluster.soak.runner import RatioGauge
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    port = _free_port()
+    port, dashboard_port = free_ports(2)
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=_free_port(), _metrics_export_port=port)
+             dashboard_port=dashboard_port, _metrics_export_port=port)
     try:
         model = make_tiny(tmp_path / "model")
         prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(24, seed=9, max_tokens=48))

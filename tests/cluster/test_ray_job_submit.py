@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,20 +22,11 @@ import pytest
 
 from cluster.config import load_job_config
 from cluster.jobs.generate import run_generate
-from runtime_helpers import ROOT, make_tiny, prepared, prompt_lines, rows_by_id, write_lines
+from runtime_helpers import (ROOT, free_ports, make_tiny, prepared, prompt_lines, rows_by_id,
+                             write_lines)
 
 pytestmark = pytest.mark.slow
 N = 12
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
