@@ -18,7 +18,6 @@ equal CPU share), so run the in-process side the same way:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -39,10 +38,8 @@ def model_dir(arg: str | None) -> Path:
         return Path(arg)
     if (DEFAULT_MODEL / "config.json").exists():
         return DEFAULT_MODEL
-    spec = importlib.util.spec_from_file_location("mk", ROOT / "scripts" / "make_tiny_model.py")
-    mk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mk)
-    return mk.make_tiny_model(Path(tempfile.mkdtemp(prefix="kvbench")) / "tiny", 0, ())
+    from scripts.make_tiny_model import make_tiny_model  # ROOT is on sys.path
+    return make_tiny_model(Path(tempfile.mkdtemp(prefix="kvbench")) / "tiny", 0, ())
 
 
 def workload(n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[Prepared]:

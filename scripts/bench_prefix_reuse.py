@@ -13,7 +13,6 @@ uses the tiny checkpoint of scripts/make_tiny_model.py (the tests' model).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -29,10 +28,8 @@ from workers.actor import LocalGroup, Worker, WorkerSpec  # noqa: E402
 
 
 def tiny_model() -> Path:
-    spec = importlib.util.spec_from_file_location("mk", ROOT / "scripts" / "make_tiny_model.py")
-    mk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mk)
-    return mk.make_tiny_model(Path(tempfile.mkdtemp(prefix="kvbench")) / "tiny", 0, ())
+    from scripts.make_tiny_model import make_tiny_model  # ROOT is on sys.path
+    return make_tiny_model(Path(tempfile.mkdtemp(prefix="kvbench")) / "tiny", 0, ())
 
 
 def main() -> None:

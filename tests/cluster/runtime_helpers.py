@@ -1,7 +1,6 @@
 """Helpers of the runtime tests: a tiny checkpoint, prompt files, result tables, free ports."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 from pathlib import Path
@@ -14,12 +13,10 @@ WORDS = ("the quick brown fox jumps over lazy dog cache expert latent slot token
          "answer question Paris eight four rotated codes").split()
 
 
-def make_tiny(out_dir: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  ROOT / "scripts" / "make_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.make_tiny_model(out_dir, 0, ())
+def make_tiny(out_dir: Path, variants: tuple[str, ...] = ()) -> Path:
+    """The tiny checkpoint of scripts/make_tiny_model.py (seed 0) in out_dir."""
+    from scripts.make_tiny_model import make_tiny_model
+    return make_tiny_model(out_dir, 0, variants)
 
 
 def prompt_lines(n: int, seed: int = 0, max_tokens: int = 6) -> list[str]:

@@ -18,7 +18,7 @@ from cluster.requests import parse_line
 from kvstore.disk import ArrowKVFile
 from kvstore.fingerprint import Fingerprint
 from kvstore.slots import SlotFiles, slot_filename
-from runtime_helpers import ROOT, make_tiny, rows_by_id, write_lines
+from runtime_helpers import make_tiny, rows_by_id, write_lines
 from workers.actor import StepBatch
 from workers.config import ModelConfig
 from workers.model import Model
@@ -267,11 +267,7 @@ def test_env_knob_and_dsa_refused(tiny, tmp_path):
     cfg = load_job_config(env={"KVFLEET_KV_CACHE_DIR": "rel/dir", "KVFLEET_KV_CACHE_FORMAT": "coli"})
     assert cfg.kv_cache_dir.is_absolute() and cfg.kv_cache_dir.parts[-2:] == ("rel", "dir")
     assert cfg.kv_cache_format == "coli" and load_job_config(env={}).kv_cache_dir is None
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("mk", ROOT / "scripts" / "make_tiny_model.py")
-    mk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mk)
-    glm = mk.make_tiny_model(tmp_path / "glm", 0, ("glm",))
+    glm = make_tiny(tmp_path / "glm", ("glm",))
     with pytest.raises(JobConfigError, match="does not support DSA models.*index_n_heads="):
         run(glm, tmp_path, [line("a", prompt(15))], tmp_path / "cache")
     assert not (tmp_path / "cache").exists()

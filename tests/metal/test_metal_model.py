@@ -1,8 +1,5 @@
 """The MLX model against the numpy model on the tiny checkpoint: greedy output over 64
 tokens for f32 and kv8, logits through prefill and a ragged multi-slot decode, the factory."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -14,19 +11,10 @@ from workers.mlx_model import MLXModel, load_metal  # noqa: E402
 from workers.model import Model  # noqa: E402
 from workers.weights import load_params  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _maker():
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return _maker().make_tiny_model(tmp_path_factory.mktemp("tiny-metal"), 0, ())
+    from scripts.make_tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-metal"), 0, ())
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,16 @@
 """Shared fixtures: tiny checkpoints built once per session (one per variant combination)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_maker():
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.fixture(scope="session")
 def maker():
-    return _load_maker()
+    """The scripts/make_tiny_model.py module (the repo root is on pytest's pythonpath)."""
+    import scripts.make_tiny_model
+    return scripts.make_tiny_model
 
 
 @pytest.fixture(scope="session")
