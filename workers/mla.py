@@ -25,6 +25,24 @@ from workers.rope import Rope
 LATENT_NORM_EPS = 1e-6
 
 
+def project(x, p: dict, cfg: ModelConfig, norm):
+    """The input projections on numpy or MLX arrays (`norm` is that library's rms_norm):
+    x [N, hidden] -> (q [N, H, qk_head_dim], L [N, Dl] after kv_a_layernorm, the rope key
+    [N, Dr] before RoPE)."""
+    if cfg.q_lora_rank is None:
+        q = x @ p["q"].T
+    else:
+        qa = x @ p["q_a"].T
+        if "q_a_bias" in p:
+            qa = qa + p["q_a_bias"]
+        q = norm(qa, p["q_a_norm"], LATENT_NORM_EPS) @ p["q_b"].T
+    kv = x @ p["kv_a"].T
+    if "kv_a_bias" in p:
+        kv = kv + p["kv_a_bias"]
+    L = norm(kv[:, :cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
+    return q.reshape(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim), L, kv[:, cfg.kv_lora_rank:]
+
+
 class MLA:
     def __init__(self, cfg: ModelConfig, p: dict[str, np.ndarray], rope: Rope):
         self.cfg, self.p, self.rope = cfg, p, rope
@@ -35,22 +53,10 @@ class MLA:
 
     def project(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
         """x [N, hidden] -> (q_nope [N,H,Dn], q_rope [N,H,Dr] rotated, L [N,Dl], R [N,Dr] rotated)."""
-        c, p = self.cfg, self.p
-        if c.q_lora_rank is None:
-            q = x @ p["q"].T
-        else:
-            qa = x @ p["q_a"].T
-            if "q_a_bias" in p:
-                qa = qa + p["q_a_bias"]
-            q = rms_norm(qa, p["q_a_norm"], LATENT_NORM_EPS) @ p["q_b"].T
-        q = q.reshape(len(x), c.num_attention_heads, c.qk_head_dim)
-        q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-        kv = x @ p["kv_a"].T
-        if "kv_a_bias" in p:
-            kv = kv + p["kv_a_bias"]
-        L = rms_norm(kv[:, :c.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
-        R = self.rope.apply(kv[:, c.kv_lora_rank:], cos, sin)
-        return q_nope, self.rope.apply(q_rope, cos, sin), L, R
+        dn = self.cfg.qk_nope_head_dim
+        q, L, k_rope = project(x, self.p, self.cfg, rms_norm)
+        R = self.rope.apply(k_rope, cos, sin)
+        return q[..., :dn], self.rope.apply(q[..., dn:], cos, sin), L, R
 
     def __call__(self, x: np.ndarray, layer: int, slots: np.ndarray, positions: np.ndarray,
                  pool, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

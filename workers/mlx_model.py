@@ -26,7 +26,7 @@ from kernels.metal import backend
 from kernels.metal.backend import KernelStats
 from kernels.metal.pool import MLXKVPool
 from workers.config import ModelConfig
-from workers.mla import LATENT_NORM_EPS
+from workers.mla import project
 from workers.model import check_batch
 from workers.moe import picks_by_expert, route
 from workers.rope import Rope
@@ -72,20 +72,9 @@ class MLXLayer:
 
     def attention(self, x, slots, positions, pool, cos, sin, rope: Rope) -> mx.array:
         c, p, N = self.cfg, self.p, x.shape[0]
-        if c.q_lora_rank is None:
-            q = x @ p["q"].T
-        else:
-            qa = x @ p["q_a"].T
-            if "q_a_bias" in p:
-                qa = qa + p["q_a_bias"]
-            q = rms_norm(qa, p["q_a_norm"], LATENT_NORM_EPS) @ p["q_b"].T
-        q = q.reshape(N, c.num_attention_heads, c.qk_head_dim)
+        q, L, k_rope = project(x, p, c, rms_norm)  # workers/mla.py, on mx arrays
         q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-        kv = x @ p["kv_a"].T
-        if "kv_a_bias" in p:
-            kv = kv + p["kv_a_bias"]
-        L = rms_norm(kv[:, :c.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)  # as workers/mla.py
-        R = rope_apply(kv[:, c.kv_lora_rank:], cos, sin, rope.interleave)
+        R = rope_apply(k_rope, cos, sin, rope.interleave)
         q_rope = rope_apply(q_rope, cos, sin, rope.interleave)
         q_lat = (q_nope.transpose(1, 0, 2) @ self.w_uk).transpose(1, 0, 2)  # [N, H, Dl]
         pool.write(self.i, slots, positions, L, R)
