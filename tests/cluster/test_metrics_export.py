@@ -8,7 +8,6 @@ import re
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
