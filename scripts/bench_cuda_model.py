@@ -20,7 +20,6 @@ numpy model's over the timed steps) compares like with like. tokens/s = slots x 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -45,9 +44,7 @@ WIDE = dict(hidden_size=2048, intermediate_size=4096, moe_intermediate_size=1024
 
 def wide_params() -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """WIDE config and random float32 parameters (kvfleet keys, experts stacked)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
+    import scripts.make_tiny_model as maker  # ROOT is on sys.path
     cfg = ModelConfig.from_dict({**maker.base_config(set()), **WIDE}, source="bench WIDE")
     tensors = maker.random_tensors(cfg, 0)
     params: dict[str, np.ndarray] = {}

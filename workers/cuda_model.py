@@ -4,8 +4,10 @@ forward with the weights on the GPU and the KV cache in a DevicePool (kvstore/de
     embed -> layers (MLA absorbed through the pool, dense MLP or MoE) -> norm -> lm_head
 
 Shared with the numpy model rather than copied: config and weights come from the numpy
-loader (workers.weights.load_params), RoPE tables from workers.rope.Rope (cos/sin for the
-step's positions, computed on the host and uploaded once per step), MoE routing from
+loader (workers.weights.load_params), the q / kv_a projections and latent norms from
+workers.mla.project (called with this module's rms_norm), RoPE tables from workers.rope.Rope
+(cos/sin for the step's positions, computed on the host and uploaded once per step), MoE
+routing from
 workers.moe.route (router logits [N, E] come back to the host, so the expert choice is the
 numpy model's code, as in workers/mlx_model.py), and the dense-DSA notice from Model.
 
@@ -35,7 +37,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from workers.config import ModelConfig
-from workers.mla import LATENT_NORM_EPS
+from workers.mla import project
 from workers.model import Model
 from workers.moe import route
 from workers.rope import Rope
@@ -90,6 +92,9 @@ def rope(x, cos, sin, groups: int, offset: int, dim: int, interleave: bool):
     (n, g) holds the d = `dim` rope values at [g * stride + offset, ... + dim); cos/sin
     [N, dim/2] contiguous. Returns [N, groups, dim] in workers.rope.Rope.apply's layout."""
     import cupy as cp
+    if not x.flags.c_contiguous or x.ndim != 2:
+        raise ValueError(f"rope input must be a C-contiguous [N, groups * stride] array, got "
+                         f"shape {x.shape}, strides {x.strides}")
     n = x.shape[0]
     stride = x.shape[1] // groups
     y = cp.empty((n, groups, dim), cp.float32)
@@ -141,22 +146,12 @@ class CudaLayer:
     def attention(self, x, slots, positions, pool, cos, sin):
         import cupy as cp
         c, d, N = self.cfg, self.d, x.shape[0]
-        H, dn, dl, dr = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.qk_rope_head_dim
-        if c.q_lora_rank is None:
-            q = x @ d["q"].T  # [N, H * qk]
-        else:
-            qa = x @ d["q_a"].T
-            if "q_a_bias" in d:
-                qa += d["q_a_bias"]
-            q = rms_norm(qa, d["q_a_norm"], LATENT_NORM_EPS) @ d["q_b"].T
-        kv = x @ d["kv_a"].T  # [N, Dl + Dr]
-        if "kv_a_bias" in d:
-            kv += d["kv_a_bias"]
-        L = rms_norm(kv[:, :dl], d["kv_a_norm"], LATENT_NORM_EPS)
+        H, dn, dr = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        q, L, k_rope = project(x, d, c, rms_norm)  # q [N, H, qk] C-contiguous, k_rope a view
         inter = self.rope.interleave
-        R = rope(kv, cos, sin, 1, dl, dr, inter).reshape(N, dr)
-        q_rope = rope(q, cos, sin, H, dn, dr, inter)  # [N, H, Dr]
-        q_nope = q.reshape(N, H, c.qk_head_dim)[:, :, :dn].transpose(1, 0, 2)  # [H, N, Dn]
+        R = rope(cp.ascontiguousarray(k_rope), cos, sin, 1, 0, dr, inter).reshape(N, dr)
+        q_rope = rope(q.reshape(N, -1), cos, sin, H, dn, dr, inter)  # [N, H, Dr]
+        q_nope = q[:, :, :dn].transpose(1, 0, 2)  # [H, N, Dn]
         q_lat = cp.ascontiguousarray(cp.matmul(q_nope, self.w_uk).transpose(1, 0, 2))  # [N, H, Dl]
         pool.write(self.i, slots, positions, L, R)
         ctx = pool.attend(self.i, slots, positions, q_lat, q_rope, self.rope.softmax_scale)

@@ -9,7 +9,6 @@ rows also flip some codes (a kv8 element by up to 1/8, a tq4 one by a level gap)
 those tiers get more room (seen on the H200: kv8 <= 6.1e-3, tq4 1.6e-2). Greedy decoding
 must give the same tokens over 64 steps; a flip that the measured logit error explains (a near-tie)
 is reported as an expected failure with its figures (run with -rx to see them)."""
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +34,8 @@ LOGIT_RTOL = {"f32": 3e-3, "kv8": 2e-2, "tq4": 5e-2}
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  ROOT / "scripts" / "make_tiny_model.py")
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
-    return maker.make_tiny_model(tmp_path_factory.mktemp("tiny"), 0, ())
+    from scripts.make_tiny_model import make_tiny_model  # repo root on pytest's pythonpath
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), 0, ())
 
 
 def greedy(model, pool, prompt, steps):
