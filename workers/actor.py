@@ -87,11 +87,16 @@ class Worker:
 
     def stats(self) -> dict:
         """Memory figures of this worker (the soak and `generate --stats` read them). A cpu
-        worker's device memory is its resident set; every expert is held (replicated)."""
+        worker's device memory is its resident set. Experts are replicated: the worker holds
+        every routed expert, so each pick is served where it was made (hit rate 1, as
+        workers/expert_shard.py defines it)."""
         from workers.ep_worker import rss_bytes
         rss = rss_bytes()
+        cfg = self.model.config
+        held = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * cfg.n_routed_experts
         return {"name": self.spec.name, "device": "cpu", "rss_bytes": rss,
-                "device_mem_bytes": rss, "kv_bytes": int(self.pool.bytes_in_use())}
+                "device_mem_bytes": rss, "kv_bytes": int(self.pool.bytes_in_use()),
+                "expert_pins": held, "expert_hit_rate": 1.0 if held else None}
 
     def step(self, batch: StepBatch) -> StepOutput:
         t0 = time.perf_counter()

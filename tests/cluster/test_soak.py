@@ -41,7 +41,7 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     assert list(rounds.arm) == ["A", "B", "A", "B"] and list(rounds["round"]) == [0, 0, 1, 1]
     assert (rounds.start_s.diff().dropna() > 0).all()  # interleaved in time order
     for col in ("throughput_tok_s", "ttft_median_s", "decode_tok_s_median", "tokens_per_forward",
-                "kv_bytes", "rss_bytes"):
+                "kv_bytes", "rss_bytes", "expert_pins", "expert_hit_rate"):
         assert rounds[col].notna().all() and (rounds[col] > 0).all(), col
     assert (rounds.errors == 0).all() and (rounds.lost_requests == 0).all()
     # kv8 holds the same tokens in ~1/3.9 of the bytes
