@@ -50,7 +50,7 @@ def _ratios(rounds: pd.DataFrame, metrics: list[str]) -> str | None:
         ax.hist(r, bins=max(3, min(20, len(r))), color="#7f7f7f")
         ax.axvline(1.0, color="k", lw=1)
         ax.set_title(f"{m} B/A")
-    fig.suptitle("per-round ratio distributions")
+    fig.suptitle("per-round ratio distributions", y=1.04)
     return _png(fig)
 
 
@@ -88,6 +88,11 @@ def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame
     gate = summary.get("gate", {})
     verdict = ("PASS" if gate.get("passed", True) else "FAIL: " + "; ".join(gate.get("failures", [])))
     breaks = parity[parity.first_diff.notna()] if not parity.empty else parity
+    if len(breaks):  # one row per prompt, one column per round: the first differing token
+        table = (breaks.assign(first_diff=breaks.first_diff.astype(int))
+                 .pivot(index="id", columns="round", values="first_diff")
+                 .rename(columns=lambda r: f"round {r}"))
+        table = table.astype("Int64").astype(str).replace("<NA>", "same")
     body = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} img{{max-width:100%;display:block;margin:1em 0}}
 table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}
@@ -96,8 +101,9 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 <p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
 {''.join(parts)}
 <h2>greedy parity (A vs B)</h2>
-<p>{len(parity)} prompt-rounds compared, {len(breaks)} differ.</p>
-{breaks.to_html(index=False) if len(breaks) else '<p>no differing completions</p>'}
+<p>{len(parity)} prompt-rounds compared, {len(breaks)} differ; the table gives the index of the
+first completion token where B differs from A (greedy decoding), "same" where it does not.</p>
+{table.to_html() if len(breaks) else '<p>no differing completions</p>'}
 <h2>summary</h2><pre>{html.escape(json.dumps(summary, indent=1))}</pre>
 <script>
 // marks how many plots decoded, so a headless browser check can read it from the DOM
