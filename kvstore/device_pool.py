@@ -195,7 +195,7 @@ class DevicePool(KVPool):
         ql = q_lat.get() if isinstance(q_lat, cp.ndarray) else np.asarray(q_lat, np.float32)
         qr = q_rope.get() if isinstance(q_rope, cp.ndarray) else np.asarray(q_rope, np.float32)
         ctx = paged_mla_attention(self.tier, host, host_tables, ql[:, None], qr[:, None],
-                                  positions[:, None], scale)
+                                  positions[:, None], scale, counter=self.rebuilds)
         return ctx[:, 0]
 
     def metrics(self) -> dict:

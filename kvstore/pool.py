@@ -19,6 +19,7 @@ import numpy as np
 
 from kernels.cpu import codecs
 from kernels.cpu.attention import LayerPlanes, paged_mla_attention
+from kernels.cpu.consumers import WorkCounter
 from kernels.tiers import Tier, get_tier
 
 
@@ -49,6 +50,7 @@ class KVPool:
         self.lengths = np.zeros(max_slots, np.int64)
         self._used = np.zeros(max_slots, bool)
         self._free_blocks = list(range(n_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.rebuilds = WorkCounter()  # polar rows the attention had to rebuild to float32
 
     @classmethod
     def for_model(cls, cfg, tier: Tier | str, slots: int, max_ctx: int,
@@ -173,7 +175,7 @@ class KVPool:
         qr[inv, rank] = q_rope
         qp[inv, rank] = positions
         ctx = paged_mla_attention(self.tier, self.planes[layer], self.block_tables[uniq],
-                                  ql, qr, qp, scale)
+                                  ql, qr, qp, scale, counter=self.rebuilds)
         return ctx[inv, rank]
 
     # -- accounting -------------------------------------------------------------------

@@ -78,7 +78,7 @@ class Worker:
                                     block_size=spec.block_size)
         self.model, self.pool = model, pool
         self._slot: dict[int, int] = {}  # sequence key -> pool slot
-        self._rebuilds = _polar_rebuilds()
+        self._rebuilds = _rebuilds(self.pool)
         self.persist = SlotPersist.for_worker(spec, self.model, self.pool)
 
     def info(self) -> dict:
@@ -135,16 +135,17 @@ class Worker:
         the polar rows the numpy consumers had to rebuild to float32."""
         drain = getattr(self.model, "drain_fallbacks", None)
         out = dict(drain()) if callable(drain) else {}
-        now = _polar_rebuilds()
+        now = _rebuilds(self.pool)
         if now > self._rebuilds:
             out["cpu.polar_rebuild_rows"] = now - self._rebuilds
         self._rebuilds = now
         return out
 
 
-def _polar_rebuilds() -> int:
-    from kernels.cpu.consumers import rebuild_count
-    return rebuild_count()
+def _rebuilds(pool) -> int:
+    """Polar rows this worker's pool rebuilt to float32 so far (0 for a pool without)."""
+    counter = getattr(pool, "rebuilds", None)
+    return counter.value if counter is not None else 0
 
 
 class WorkerGroup(Protocol):

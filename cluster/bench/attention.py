@@ -257,6 +257,7 @@ def _checks(rows) -> list[str]:
 def bench_cpu(args) -> dict:
     from kernels.cpu import codecs
     from kernels.cpu.attention import LayerPlanes, paged_mla_attention
+    from kernels.cpu.consumers import WorkCounter
     rng = np.random.default_rng(0)
     rows = []
     for B, T0 in args.shapes:
@@ -277,7 +278,8 @@ def bench_cpu(args) -> dict:
                 times = []
                 for _ in range(max(1, min(args.repeat, 3))):
                     t0 = time.perf_counter()
-                    paged_mla_attention(tier, planes, tables, ql, qr, pos, SCALE)
+                    paged_mla_attention(tier, planes, tables, ql, qr, pos, SCALE,
+                                        counter=WorkCounter())
                     times.append(time.perf_counter() - t0)
                 t = statistics.median(times)
                 nbytes = B * T * tier.token_bytes(DL, DR)

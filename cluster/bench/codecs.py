@@ -73,10 +73,12 @@ def attention_pair(tier: Tier, L: np.ndarray, R: np.ndarray, q_lat: np.ndarray,
     lc, ls = encode_rows(tier, L)
     rc, rs = encode_rows(tier, R)
     scale = np.float32(1.0 / np.sqrt(n_l + n_r))
+    rebuilds = consumers.WorkCounter()  # polar rows the native path rebuilds
 
     def native():
-        s = consumers.scores(tier, q_lat, lc, ls) + consumers.scores(tier, q_rope, rc, rs)
-        return consumers.context(tier, _softmax(s * scale), lc, ls, n_l)
+        s = (consumers.scores(tier, q_lat, lc, ls, rebuilds)
+             + consumers.scores(tier, q_rope, rc, rs, rebuilds))
+        return consumers.context(tier, _softmax(s * scale), lc, ls, n_l, rebuilds)
 
     def staging():
         l_rows, r_rows = decode_rows(tier, lc, ls, n_l), decode_rows(tier, rc, rs, n_r)
@@ -85,9 +87,9 @@ def attention_pair(tier: Tier, L: np.ndarray, R: np.ndarray, q_lat: np.ndarray,
 
     a, b = native(), staging()
     diff = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-    before = consumers.rebuild_count()
+    before = rebuilds.value
     native()
-    rebuilt = consumers.rebuild_count() - before
+    rebuilt = rebuilds.value - before
     t_native = t_staging = float("inf")
     for _ in range(max(1, repeat)):  # interleaved, so both see the same machine load
         t_native = min(t_native, best_seconds(native, 1, 0, CLOCKS[clock]))

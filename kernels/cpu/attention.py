@@ -55,11 +55,12 @@ def gather_rows(codes: np.ndarray, scale: np.ndarray, block_tables: np.ndarray,
 
 def paged_mla_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray,
                         q_lat: np.ndarray, q_rope: np.ndarray, q_pos: np.ndarray,
-                        scale: float) -> np.ndarray:
+                        scale: float, counter=None) -> np.ndarray:
     """Absorbed MLA attention through block tables. Shapes: block_tables [B, nb] int32
     (-1 = no block), q_lat [B, Q, H, Dl], q_rope [B, Q, H, Dr], q_pos [B, Q] int (-1 marks a
     padding query, whose output is zero). Returns ctx [B, Q, H, Dl] float32 (the latent
-    context; the caller applies W_UV)."""
+    context; the caller applies W_UV). `counter` (a consumers.WorkCounter) counts the rows
+    that polar tiers rebuild; it is required for them."""
     B, Q, H, Dl = q_lat.shape
     Dr = q_rope.shape[-1]
     if q_pos.shape != (B, Q) or q_rope.shape[:3] != (B, Q, H) or block_tables.shape[0] != B:
@@ -74,7 +75,8 @@ def paged_mla_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarra
 
     ql = q_lat.reshape(B, Q * H, Dl).astype(np.float32, copy=False)
     qr = q_rope.reshape(B, Q * H, Dr).astype(np.float32, copy=False)
-    s = consumers.scores(tier, ql, l_c, l_s) + consumers.scores(tier, qr, r_c, r_s)
+    s = (consumers.scores(tier, ql, l_c, l_s, counter)
+         + consumers.scores(tier, qr, r_c, r_s, counter))
     s = s.reshape(B, Q, H, t_max) * np.float32(scale)
 
     t = np.arange(t_max)
@@ -85,5 +87,6 @@ def paged_mla_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarra
     p = np.exp(s - m)
     denom = p.sum(axis=-1, keepdims=True)
     p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
-    ctx = consumers.context(tier, p.reshape(B, Q * H, t_max).astype(np.float32), l_c, l_s, Dl)
+    ctx = consumers.context(tier, p.reshape(B, Q * H, t_max).astype(np.float32), l_c, l_s, Dl,
+                            counter)
     return ctx.reshape(B, Q, H, Dl).astype(np.float32, copy=False)

@@ -44,14 +44,28 @@ def _pick(tier: Tier):
     return found
 
 
-def scores(tier: Tier, q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """q[..., M, n] against the coded rows [..., T, w] -> [..., M, T] float32."""
-    return _pick(tier)[0](q, codes, scales)
+def scores(tier: Tier, q: np.ndarray, codes: np.ndarray, scales: np.ndarray,
+           counter: "WorkCounter | None" = None) -> np.ndarray:
+    """q[..., M, n] against the coded rows [..., T, w] -> [..., M, T] float32. Polar tiers
+    rebuild rows and add them to `counter` (required for them)."""
+    tier = get_tier(tier)
+    return _pick(tier)[0](q, codes, scales, *_counter_for(tier, counter))
 
 
-def context(tier: Tier, p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+def context(tier: Tier, p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int,
+            counter: "WorkCounter | None" = None) -> np.ndarray:
     """Weights p[..., M, T] times the coded rows [..., T, w] -> [..., M, n] float32."""
-    return _pick(tier)[1](p, codes, scales, n)
+    tier = get_tier(tier)
+    return _pick(tier)[1](p, codes, scales, n, *_counter_for(tier, counter))
+
+
+def _counter_for(tier: Tier, counter) -> tuple:
+    if tier.kind != "polar":
+        return ()
+    if counter is None:
+        raise ValueError(f"{tier.name}: the polar consumers rebuild rows to float32; pass "
+                         f"counter=WorkCounter() (e.g. the pool's `rebuilds`) so the work is counted")
+    return (counter,)
 
 
 # ---- quantized kinds (kv8, tq4, polar) ------------------------------------------------------
@@ -106,7 +120,8 @@ def _tq_context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) ->
 
 # polar: the angle tree has no per-coordinate codebook to dot through, so the rows are rebuilt
 # in the rotated domain (the unrotate is still saved: q is rotated once, the context
-# unrotated once). Every rebuilt row is counted in POLAR_REBUILDS (rebuild_count()).
+# unrotated once). Every rebuilt row is added to the caller's WorkCounter (a pool owns one,
+# so each worker counts its own work, also when several share a process).
 
 class WorkCounter:
     """A thread-safe running count of work units (here: polar rows rebuilt to float32)."""
@@ -124,34 +139,30 @@ class WorkCounter:
         return self._value
 
 
-POLAR_REBUILDS = WorkCounter()
-
-
-def rebuild_count() -> int:
-    """Polar rows rebuilt to float32 by the consumers in this process so far."""
-    return POLAR_REBUILDS.value
-
-
-def _polar_rows_t(codes: np.ndarray, scales: np.ndarray, n: int, bits: int) -> np.ndarray:
+def _polar_rows_t(codes: np.ndarray, scales: np.ndarray, n: int, bits: int,
+                  counter: WorkCounter) -> np.ndarray:
     """Rebuilt rows in the rotated domain, transposed: [..., n, T] (counted)."""
     lead, T = codes.shape[:-2], codes.shape[-2]
     flat = codes.reshape(-1, codes.shape[-1])
-    POLAR_REBUILDS.add(flat.shape[0])
+    counter.add(flat.shape[0])
     yt = polar.decode_rotated_columns(flat, np.asarray(scales, np.float32).reshape(-1), n, bits)
     return np.moveaxis(yt.reshape(n, *lead, T), 0, -2)
 
 
 def _polar_consumers(bits: int):
-    def _scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    def _scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray,
+                counter: WorkCounter) -> np.ndarray:
         n = q.shape[-1]
         if not rotatable(n):
             return _tq_scores(q, codes, scales)  # the zeros of an inert width
-        return np.matmul(rotate(q), _polar_rows_t(codes, scales, n, bits))
+        return np.matmul(rotate(q), _polar_rows_t(codes, scales, n, bits, counter))
 
-    def _context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int) -> np.ndarray:
+    def _context(p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n: int,
+                 counter: WorkCounter) -> np.ndarray:
         if not rotatable(n):
             return _tq_context(p, codes, scales, n)
-        return unrotate(np.matmul(p, _polar_rows_t(codes, scales, n, bits).swapaxes(-1, -2)))
+        return unrotate(np.matmul(p, _polar_rows_t(codes, scales, n, bits, counter)
+                                  .swapaxes(-1, -2)))
 
     return _scores, _context
 

@@ -28,6 +28,9 @@ def plane(tier, rows, n, rng):
     return codes, scales, used
 
 
+COUNT = consumers.WorkCounter()  # polar rows rebuilt by the consumers in this module
+
+
 def rel_err(got, ref):
     assert got.shape == ref.shape and np.all(np.isfinite(got))
     return float(np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max())
@@ -44,8 +47,8 @@ def test_equal_to_decode_then_attend(name, n):
     assert np.all(np.isfinite(rows))
     q = rng.standard_normal((7, n)).astype(np.float32)
     p = rng.random((7, len(used))).astype(np.float32)
-    assert rel_err(consumers.scores(tier, q, c, s), q.astype(np.float64) @ rows.T) < 1e-5
-    assert rel_err(consumers.context(tier, p, c, s, n), p.astype(np.float64) @ rows) < 1e-5
+    assert rel_err(consumers.scores(tier, q, c, s, COUNT), q.astype(np.float64) @ rows.T) < 1e-5
+    assert rel_err(consumers.context(tier, p, c, s, n, COUNT), p.astype(np.float64) @ rows) < 1e-5
 
 
 @pytest.mark.parametrize("name", TIERS)
@@ -59,8 +62,8 @@ def test_batched_leading_axis(name):
     rows = decode_rows(tier, c, s, n).astype(np.float64)
     q = rng.standard_normal((B, M, n)).astype(np.float32)
     p = rng.random((B, M, T)).astype(np.float32)
-    got_s = consumers.scores(tier, q, c, s)
-    got_c = consumers.context(tier, p, c, s, n)
+    got_s = consumers.scores(tier, q, c, s, COUNT)
+    got_c = consumers.context(tier, p, c, s, n, COUNT)
     assert got_s.shape == (B, M, T) and got_c.shape == (B, M, n)
     assert rel_err(got_s, np.einsum("bmn,btn->bmt", q, rows)) < 1e-5
     assert rel_err(got_c, np.einsum("bmt,btn->bmn", p, rows)) < 1e-5
@@ -78,10 +81,10 @@ def test_fp8_and_tq4_never_decode_rows(name, monkeypatch):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 256)).astype(np.float32)
     c, s = encode_rows(name, x)
-    before = consumers.rebuild_count()
-    consumers.scores(get_tier(name), x[:2], c, s)
-    consumers.context(get_tier(name), np.ones((2, 64), np.float32), c, s, 256)
-    assert consumers.rebuild_count() == before
+    before = COUNT.value
+    consumers.scores(get_tier(name), x[:2], c, s, COUNT)
+    consumers.context(get_tier(name), np.ones((2, 64), np.float32), c, s, 256, COUNT)
+    assert COUNT.value == before
 
 
 def test_polar_rebuilds_are_counted():
@@ -89,23 +92,32 @@ def test_polar_rebuilds_are_counted():
     tier = get_tier("polar3")
     x = rng.standard_normal((2, 30, 64)).astype(np.float32)
     c, s = encode_rows(tier, x)
-    before = consumers.rebuild_count()
-    consumers.scores(tier, rng.standard_normal((2, 5, 64)).astype(np.float32), c, s)
-    assert consumers.rebuild_count() == before + 60
-    consumers.context(tier, rng.random((2, 5, 30)).astype(np.float32), c, s, 64)
-    assert consumers.rebuild_count() == before + 120
+    before = COUNT.value
+    consumers.scores(tier, rng.standard_normal((2, 5, 64)).astype(np.float32), c, s, COUNT)
+    assert COUNT.value == before + 60
+    consumers.context(tier, rng.random((2, 5, 30)).astype(np.float32), c, s, 64, COUNT)
+    assert COUNT.value == before + 120
 
 
 def test_inert_width_and_bad_radius_read_as_zero():
     tier = get_tier("tq4")
     c = np.full((5, 3), 0xAB, np.uint8)  # width 6 is not a power of two: inert
     s = np.ones(5, np.float32)
-    assert np.all(consumers.scores(tier, np.ones((2, 6), np.float32), c, s) == 0)
-    assert np.all(consumers.context(tier, np.ones((2, 5), np.float32), c, s, 6) == 0)
+    assert np.all(consumers.scores(tier, np.ones((2, 6), np.float32), c, s, COUNT) == 0)
+    assert np.all(consumers.context(tier, np.ones((2, 5), np.float32), c, s, 6, COUNT) == 0)
     rng = np.random.default_rng(3)
     c, s = encode_rows(tier, rng.standard_normal((4, 32)).astype(np.float32))
     s[:] = [np.nan, np.inf, -1.0, 0.0]
     for name in ("tq4", "polar4"):
         cc, _ = encode_rows(name, rng.standard_normal((4, 32)).astype(np.float32))
-        assert np.all(consumers.scores(get_tier(name), np.ones((1, 32), np.float32), cc, s) == 0)
-        assert np.all(consumers.context(get_tier(name), np.ones((1, 4), np.float32), cc, s, 32) == 0)
+        assert np.all(consumers.scores(get_tier(name), np.ones((1, 32), np.float32), cc, s, COUNT) == 0)
+        assert np.all(consumers.context(get_tier(name), np.ones((1, 4), np.float32), cc, s, 32, COUNT) == 0)
+
+
+def test_polar_consumers_refuse_to_rebuild_uncounted():
+    tier = get_tier("polar4")
+    c, s = encode_rows(tier, np.ones((3, 64), np.float32))
+    with pytest.raises(ValueError, match="counter"):
+        consumers.scores(tier, np.ones((1, 64), np.float32), c, s)
+    with pytest.raises(ValueError, match="counter"):
+        consumers.context(tier, np.ones((1, 3), np.float32), c, s, 64)
