@@ -1,61 +1,44 @@
-"""Next-token sampling over a batch of logits rows: greedy, temperature, top-k, top-p.
+"""Next-token sampling for a batch of rows: greedy, or temperature with top-p (nucleus).
 
-Randomness comes only from the numpy Generator passed in (seed it for reproducible runs).
+Stateless per row: the uniform draw of a row comes from its request's seed and the index of
+the token being chosen (splitmix64), not from a shared generator, so a token does not depend
+on which other rows share the batch, and a re-run (after a worker death) draws the same.
 temperature 0 means greedy (argmax; ties pick the lowest id).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_tokens: int = 64
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.top_k < 0 or self.max_tokens < 0:
-            raise ValueError(f"top_k={self.top_k!r} and max_tokens={self.max_tokens!r} must be >= 0")
-
-    def rng(self) -> np.random.Generator:
-        return np.random.default_rng(self.seed)
+def _uniform(seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
+    """A float64 in [0, 1) per row from splitmix64(seed * golden + counter)."""
+    with np.errstate(over="ignore"):
+        x = seed.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + counter.astype(np.uint64)
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution [B, V] (float64) that `sample` draws from, after temperature/top-k/top-p."""
-    z = np.asarray(logits, np.float64) / params.temperature
-    z = z - z.max(axis=-1, keepdims=True)
-    p = np.exp(z)
+def sample_rows(logits: np.ndarray, temperature: np.ndarray, top_p: np.ndarray,
+                seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
+    """Next token per row of logits [M, V]: argmax where temperature is 0, else a nucleus
+    (top_p) draw from softmax(logits / T) with the row's own (seed, counter) uniform."""
+    logits = np.asarray(logits, np.float32)
+    out = np.argmax(logits, axis=-1).astype(np.int32)
+    hot = np.flatnonzero(np.asarray(temperature) > 0)
+    if hot.size == 0:
+        return out
+    z = logits[hot].astype(np.float64) / np.asarray(temperature, np.float64)[hot, None]
+    order = np.argsort(-z, axis=-1, kind="stable")  # [m, V] most likely first
+    zs = np.take_along_axis(z, order, axis=-1)
+    p = np.exp(zs - zs[:, :1])
     p /= p.sum(axis=-1, keepdims=True)
-    order = np.argsort(-p, axis=-1, kind="stable")
-    ps = np.take_along_axis(p, order, axis=-1)
-    keep = np.ones_like(ps, bool)
-    if params.top_k:
-        keep[:, params.top_k:] = False
-    if params.top_p < 1:
-        before = np.cumsum(ps, axis=-1) - ps  # mass of strictly better tokens
-        keep &= before < params.top_p  # the best token always stays
-    ps = np.where(keep, ps, 0.0)
-    out = np.zeros_like(p)
-    np.put_along_axis(out, order, ps / ps.sum(axis=-1, keepdims=True), axis=-1)
-    return out
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
-    """Token ids [B] for logits [B, V]."""
-    logits = np.atleast_2d(logits)
-    if params.temperature == 0:
-        return np.argmax(logits, axis=-1)
-    p = probabilities(logits, params)
+    before = np.cumsum(p, axis=-1) - p  # mass of the more likely tokens
+    p = np.where(before < np.asarray(top_p, np.float64)[hot, None], p, 0.0)  # keeps >= 1 token
     cdf = np.cumsum(p, axis=-1)
-    u = rng.random(len(p))[:, None] * cdf[:, -1:]
-    return np.minimum((cdf <= u).sum(axis=-1), p.shape[1] - 1)
+    u = _uniform(np.asarray(seed)[hot], np.asarray(counter)[hot]) * cdf[:, -1]
+    pick = np.minimum((cdf <= u[:, None]).sum(axis=-1), p.shape[1] - 1)
+    out[hot] = order[np.arange(hot.size), pick]
+    return out

@@ -12,7 +12,8 @@ from cluster.metrics import JobMetrics
 from cluster.requests import Request
 from cluster.scheduler import Prepared, Scheduler
 from scheduler_fakes import EOS, FakeModel, FakePool, decode
-from workers.actor import LocalGroup, Worker, WorkerSpec, sample_rows
+from workers.actor import LocalGroup, Worker, WorkerSpec
+from workers.sampling import sample_rows
 
 MAX_CTX = 64
 
@@ -150,6 +151,11 @@ def test_sampling_rows_reference():
     picks = sample_rows(flat, np.ones(500, np.float32), np.ones(500, np.float32),
                         np.zeros(500, np.uint64), np.arange(500, dtype=np.uint64))
     assert len(set(picks.tolist())) > 25
+    # and follow the distribution: 3000 draws of one row at temperature 1
+    row = np.log(np.array([[0.6, 0.3, 0.1]], np.float32)).repeat(3000, 0)
+    draws = sample_rows(row, np.ones(3000, np.float32), np.ones(3000, np.float32),
+                        np.full(3000, 7, np.uint64), np.arange(3000, dtype=np.uint64))
+    np.testing.assert_allclose(np.bincount(draws, minlength=3) / 3000, [0.6, 0.3, 0.1], atol=0.03)
 
 
 # -- the real tiny model through the real KV pool, per tier ---------------------------------

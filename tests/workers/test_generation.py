@@ -1,4 +1,4 @@
-"""Tokenizer, sampling, in-process generation and `kvfleet score`."""
+"""Tokenizer and `kvfleet score`."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,6 @@ import numpy as np
 import pytest
 
 from cluster.cli import main as cli_main
-from workers.generate import generate_ids, generate_text
-from workers.model import Model
-from workers.sampling import SamplingParams, probabilities, sample
 from workers.tokenizer import Tokenizer
 
 
@@ -21,56 +18,6 @@ def test_tokenizer_roundtrip_and_eos(tiny):
     assert tok.eos_ids == (1,) and tok.bos_id == 0
     assert tok.encode(text, add_bos=True)[0] == 0
     assert Tokenizer.from_dir(tiny("multi_eos")).eos_ids == (1, 2)
-
-
-def test_probabilities_top_p_top_k():
-    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
-    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))
-    np.testing.assert_allclose(p, [[0.625, 0.375, 0, 0]])
-    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=3))
-    np.testing.assert_allclose(p, [[0.5, 0.3, 0.15, 0]] / np.float64(0.95))
-    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.01))
-    np.testing.assert_allclose(p, [[1, 0, 0, 0]])
-
-
-def test_sample_greedy_seeded_and_distribution():
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(3, 50)).astype(np.float32)
-    assert (sample(logits, SamplingParams(), rng) == logits.argmax(-1)).all()
-    params = SamplingParams(temperature=0.9, top_p=0.8, seed=5)
-    a = sample(logits, params, params.rng())
-    b = sample(logits, params, params.rng())
-    assert (a == b).all()
-    row = np.log(np.array([[0.6, 0.3, 0.1]]))
-    draws = [sample(row, SamplingParams(temperature=1.0), rng)[0] for _ in range(3000)]
-    freq = np.bincount(draws, minlength=3) / 3000
-    np.testing.assert_allclose(freq, [0.6, 0.3, 0.1], atol=0.03)
-
-
-def test_generate_stops_on_any_eos(tiny):
-    model = Model.load(tiny("multi_eos"))
-    prompt = [5, 6, 7]
-    greedy = generate_ids(model, prompt, SamplingParams(max_tokens=6))
-    assert greedy.finish_reason == "length" and len(greedy.ids) == 6
-    stop_at = greedy.ids[2]
-    g = generate_ids(model, prompt, SamplingParams(max_tokens=6), eos_ids=(999, stop_at))
-    assert g.finish_reason == "stop" and g.ids == greedy.ids[:greedy.ids.index(stop_at)]
-
-
-def test_generate_text_matches_greedy_prefill(tiny):
-    d = tiny()
-    model, tok = Model.load(d), Tokenizer.from_dir(d)
-    text = generate_text(model, tok, "Question: what is", max_tokens=4)
-    ids = tok.encode("Question: what is", add_bos=True)
-    from kvstore.pool import KVPool
-    for _ in range(4):  # greedy by repeated full prefills in fresh pools
-        pool = KVPool.for_model(model.config, "f32", 1, 64)
-        s = pool.alloc_slot()
-        nxt = int(model.forward(ids, [s] * len(ids), np.arange(len(ids)), pool)[-1].argmax())
-        if nxt in tok.eos_ids:
-            break
-        ids.append(nxt)
-    assert text == tok.decode(ids[len(tok.encode("Question: what is", add_bos=True)):])
 
 
 def test_score_command_prefill_and_decode(tiny, tmp_path, capsys):
