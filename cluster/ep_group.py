@@ -243,21 +243,13 @@ def start_group(cfg: JobConfig):
     return group, close
 
 
-class LocalShardedGroup(LocalGroup):
-    """ShardedWorkers in this process over LocalTransport."""
-
-    @property
-    def final_stats(self) -> list[dict]:
-        return [w.stats() for w in self.workers]
-
-
 def local_group(cfg: JobConfig, placements: list[Placement], sharded: bool = True):
     from workers.ep_worker import ShardedWorker
     owners, _ = split_owners(cfg, [p.expert_room for p in placements], sharded)
     workers = [ShardedWorker(p.spec, p.kind, r, owners[r]) for r, p in enumerate(placements)]
     for w in workers:
         w.connect(dict(enumerate(workers)), transport="local")
-    return LocalShardedGroup(workers)
+    return LocalGroup(workers)  # ShardedWorkers in this process over LocalTransport
 
 
 def _why(exc: BaseException | None) -> str:

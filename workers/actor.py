@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from workers.memstats import rss_bytes
 from workers.persist import SlotPersist
 from workers.sampling import sample_rows
 
@@ -91,7 +92,6 @@ class Worker:
         worker's device memory is its resident set. Experts are replicated: the worker holds
         every routed expert, so each pick is served where it was made (hit rate 1, as
         workers/expert_shard.py defines it)."""
-        from workers.ep_worker import rss_bytes
         rss = rss_bytes()
         cfg = self.model.config
         held = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * cfg.n_routed_experts

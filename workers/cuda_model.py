@@ -38,7 +38,7 @@ import numpy as np
 
 from workers.config import ModelConfig
 from workers.mla import project
-from workers.model import Model
+from workers.model import Model, check_batch
 from workers.moe import route
 from workers.rope import Rope
 from workers.weights import load_params
@@ -246,16 +246,7 @@ class CudaModel:
     def forward(self, tokens, slots, positions, pool, logits_at=None) -> np.ndarray:
         """Logits [N, vocab] (or [len(logits_at), vocab]) float32 on the host."""
         import cupy as cp
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        slots = np.asarray(slots, np.int64).reshape(-1)
-        positions = np.asarray(positions, np.int64).reshape(-1)
-        if not (len(tokens) == len(slots) == len(positions)) or len(tokens) == 0:
-            raise ValueError(f"tokens, slots, positions must be equal non-empty lengths, got "
-                             f"{len(tokens)}, {len(slots)}, {len(positions)}")
-        V = self.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= V or positions.min() < 0:
-            raise ValueError(f"token ids must lie in [0, {V}) and positions be >= 0; got ids "
-                             f"{tokens.min()}..{tokens.max()}, positions from {positions.min()}")
+        tokens, slots, positions = check_batch(tokens, slots, positions, self.config.vocab_size)
         Model._note_dense_dsa(self, positions)  # the numpy model's DSA notice, same state
         cos, sin = (cp.asarray(a) for a in self.rope.cos_sin(positions))
         x = cp.take(self.embed, cp.asarray(tokens), axis=0)

@@ -16,9 +16,6 @@ stream of the step thread.
 from __future__ import annotations
 
 import logging
-import os
-import resource
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +24,7 @@ import numpy as np
 from workers import cuda_model
 from workers.actor import StepBatch, StepOutput, Worker, WorkerSpec
 from workers.expert_shard import ShardedExperts, read_experts, take_shard
+from workers.memstats import device_mem_bytes, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -119,32 +117,3 @@ class ShardedWorker(Worker):
         return dict(self.experts.counters(), name=self.spec.name, device=self.kind,
                     rss_bytes=rss_bytes(),
                     device_mem_bytes=self.on_model_thread(device_mem_bytes, self.kind))
-
-
-def rss_bytes() -> int:
-    """Resident set of this process (Linux: /proc/self/statm; elsewhere the peak RSS)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
-
-
-def device_mem_bytes(kind: str) -> int | None:
-    """Bytes in use on the worker's device: MLX's active memory on metal, the CUDA device's
-    used memory where CuPy sees one, the RSS on cpu (host memory is its device)."""
-    if kind == "metal":
-        import mlx.core as mx
-        return int(mx.get_active_memory())
-    if kind == "cuda":
-        import importlib.util
-        if importlib.util.find_spec("cupy") is None:
-            return None
-        import cupy
-        try:
-            free, total = cupy.cuda.runtime.memGetInfo()
-        except cupy.cuda.runtime.CUDARuntimeError:  # a cuda-labelled node without a GPU
-            return None
-        return int(total - free)
-    return rss_bytes()

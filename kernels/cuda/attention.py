@@ -18,7 +18,6 @@ the queries (per head scaled to max |q| = 1) and the softmax weights.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import cupy as cp
