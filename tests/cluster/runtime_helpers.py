@@ -57,3 +57,12 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def job_config(model, **kw):
+    """An in-process job config over `model` for tests; keyword args override fields."""
+    from cluster.config import load_job_config
+    over = {"model": str(model), "slots": 4, "max_context": 64, "prefill_chunk": 16,
+            "workers": {"runtime": "inprocess"}}
+    over.update(kw)
+    return load_job_config(env={}, overrides=over)

@@ -11,25 +11,16 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.config import load_job_config
 from cluster.jobs.generate import run_generate
 from fleet_cluster import fleet_yaml, start_cluster, stop_cluster
-from runtime_helpers import make_tiny, prompt_lines, rows_by_id, write_lines
+from runtime_helpers import job_config, prompt_lines, rows_by_id, write_lines
 
 N = 20
 VICTIM = "cuda-b/cuda0"
 
 
 def config(tiny, **kw):
-    over = {"model": str(tiny), "slots": 4, "max_context": 64, "prefill_chunk": 16,
-            "flush_every": 2, "workers": {"runtime": "inprocess"}}
-    over.update(kw)
-    return load_job_config(env={}, overrides=over)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny"))
+    return job_config(tiny, flush_every=2, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -14,21 +14,13 @@ import pytest
 
 from cluster.config import load_job_config
 from cluster.jobs.generate import run_generate, worker_placements
-from runtime_helpers import ROOT, make_tiny, prompt_lines, rows_by_id, write_lines
+from runtime_helpers import ROOT, job_config, prompt_lines, rows_by_id, write_lines
 
 N = 14
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny"))
-
-
 def config(tiny, **kw):
-    over = {"model": str(tiny), "slots": 4, "max_context": 64, "prefill_chunk": 16,
-            "flush_every": 3, "workers": {"runtime": "inprocess"}}
-    over.update(kw)
-    return load_job_config(env={}, overrides=over)
+    return job_config(tiny, flush_every=3, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,6 @@ P = 40  # prompt tokens
 C = 6  # completion tokens
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny"))
-
-
 @pytest.fixture
 def forwarded(monkeypatch):
     """Token rows that went through Model.forward, per call."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.config import load_job_config
 from cluster.jobs.generate import run_generate
 from cluster.metrics import JobMetrics
 from cluster.requests import read_requests
 from cluster.scheduler import Scheduler
 from fleet_cluster import HAS_MLX, fleet_yaml, start_cluster, stop_cluster
 from kvstore.pool import KVPool
-from runtime_helpers import make_tiny, prompt_lines, rows_by_id, write_lines
+from runtime_helpers import job_config, prompt_lines, rows_by_id, write_lines
 from workers.actor import LocalGroup, WorkerSpec
 from workers.config import ModelConfig
 from workers.ep_worker import ShardedWorker
@@ -25,16 +24,8 @@ from workers.weights import load_params
 N = 14
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("tiny"))
-
-
 def config(tiny, **kw):
-    over = {"model": str(tiny), "slots": 4, "max_context": 64, "prefill_chunk": 16,
-            "workers": {"runtime": "inprocess"}}
-    over.update(kw)
-    return load_job_config(env={}, overrides=over)
+    return job_config(tiny, **kw)
 
 
 @pytest.fixture(scope="module")
