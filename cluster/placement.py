@@ -71,8 +71,10 @@ def _options(kind: str, num_cpus: float, resources: dict[str, float], labels: di
 
 
 def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
-    from cluster.jobs.generate import _spec as job_spec  # one place builds a WorkerSpec
-    return job_spec(cfg, name, slots)
+    return WorkerSpec(name=name, model=cfg.model_ref(), tier=cfg.kv, slots=slots,
+                      max_context=cfg.max_context, block_size=cfg.block_size,
+                      kv_cache_dir=None if cfg.kv_cache_dir is None else str(cfg.kv_cache_dir),
+                      kv_cache_format=cfg.kv_cache_format)
 
 
 def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[dict], int]:

@@ -145,44 +145,11 @@ def _eos(tok, mcfg) -> set[int]:
 
 # -- workers ----------------------------------------------------------------------------
 def worker_placements(cfg: JobConfig) -> list[tuple[WorkerSpec, dict[str, Any]]]:
-    """One (spec, Ray actor options) per worker: `workers.count` alike CPU workers, or one
-    per device of the fleet file. Placement is by custom resources and labels; a CUDA
-    device adds num_gpus=1 only together with its node's resources/labels."""
-    w = cfg.workers
-    base = {"num_cpus": w.num_cpus}
-    if w.fleet is None:
-        opts = dict(base, **_placement(w.resources, w.label_selector))
-        return [(_spec(cfg, f"worker{i}", cfg.slots), opts) for i in range(w.count)]
-    from cluster.fleet import Fleet, FleetError
-    try:
-        fleet = Fleet.from_file(w.fleet)
-    except FleetError as e:
-        raise JobConfigError(f"workers.fleet: {e}") from None
-    out = []
-    for d in fleet.devices():
-        n = d.node
-        res = {k: v / n.devices for k, v in n.resources.items()}
-        opts = dict(base, **_placement(res, n.labels))
-        if n.kind == "cuda":
-            opts["num_gpus"] = 1
-        out.append((_spec(cfg, d.name, n.slots), opts))
-    return out
-
-
-def _placement(resources: dict[str, float], labels: dict[str, str]) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    if resources:
-        opts["resources"] = dict(resources)
-    if labels:
-        opts["label_selector"] = dict(labels)
-    return opts
-
-
-def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
-    return WorkerSpec(name=name, model=cfg.model_ref(), tier=cfg.kv, slots=slots,
-                      max_context=cfg.max_context, block_size=cfg.block_size,
-                      kv_cache_dir=None if cfg.kv_cache_dir is None else str(cfg.kv_cache_dir),
-                      kv_cache_format=cfg.kv_cache_format)
+    """One (spec, Ray actor options) per worker, as cluster/placement.py places them:
+    `workers.count` alike CPU workers, or one per device of the fleet file, by custom
+    resources and labels (a CUDA device adds num_gpus=1 only together with those)."""
+    from cluster.placement import fleet_placements
+    return [(p.spec, p.options) for p in fleet_placements(cfg)]
 
 
 def _start_workers(cfg: JobConfig):
