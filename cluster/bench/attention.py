@@ -29,7 +29,7 @@ DL, DR, BS = 512, 64, 16
 SCALE = 1.0 / np.sqrt(192.0)
 
 
-def _shape(s: str) -> tuple[int, int]:
+def parse_shape(s: str) -> tuple[int, int]:
     try:
         b, t = s.lower().split("x")
         return int(b), int(t)
@@ -39,7 +39,7 @@ def _shape(s: str) -> tuple[int, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["cuda", "cpu", "metal"], default="cuda")
-    p.add_argument("--shapes", nargs="+", type=_shape, default=[_shape(s) for s in SHAPES],
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in SHAPES],
                    metavar="BxT")
     p.add_argument("--heads", dest="head_counts", nargs="+", type=int, default=HEADS)
     p.add_argument("--tiers", nargs="+", default=TIERS, choices=TIERS)

@@ -24,6 +24,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from cluster.bench.attention import parse_shape
 from cluster.bench.timing import CLOCKS, best_seconds, blas_threads
 from kernels.cpu import attention as cpu_attn
 from kernels.cpu import codecs as cpu_codecs
@@ -111,18 +112,10 @@ def run(args) -> int:
     return 0
 
 
-def _shape(s: str) -> tuple[int, int]:
-    try:
-        b, t = s.lower().split("x")
-        return int(b), int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--shapes entry {s!r} must look like 16x2048") from None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench.attention_metal",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", type=_shape, default=[(1, 8192), (16, 2048)], metavar="BxT")
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(1, 8192), (16, 2048)], metavar="BxT")
     ap.add_argument("--heads", dest="head_counts", nargs="+", type=int, default=[4, 16])
     ap.add_argument("--tiers", nargs="+", default=["f32", "kv8", "tq4"], choices=["f32", "kv8", "tq4"])
     ap.add_argument("--repeat", type=int, default=3)
