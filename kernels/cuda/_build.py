@@ -39,6 +39,52 @@ def _module(name: str, defines: tuple[tuple[str, int], ...], exact: bool,
     return mod
 
 
+@functools.lru_cache(maxsize=None)
+def _module_arch(name: str, defines: tuple[tuple[str, int], ...], arch: str, device: int):
+    """NVRTC straight to a cubin for `arch` (e.g. sm_90a, which wgmma needs: CuPy's own
+    compile names the plain sm_90 target). Returns (module, compile log)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    opts = [*FAST_OPTIONS, f"--gpu-architecture={arch}", *(f"-D{k}={v}" for k, v in defines)]
+    if os.environ.get("KVFLEET_CUDA_LINEINFO") == "1":
+        opts.append("--generate-line-info")
+    if os.environ.get("KVFLEET_CUDA_PTXAS_V") == "1":  # registers / spills in the log
+        opts.append("--ptxas-options=-v")
+    prog = nvrtc.createProgram(_source(name), name, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {name} for {arch} with {dict(defines)}: {e}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    mod = cp.cuda.function.Module()
+    mod.load(cubin)
+    return mod, log
+
+
+def arch_kernel(name: str, func: str, arch: str, **defines: int):
+    """`func` of kernels/cuda/`name` compiled for one architecture (a cupy Function:
+    fn(grid, block, args, shared_mem=...))."""
+    key = tuple(sorted((k, int(v)) for k, v in defines.items()))
+    return _module_arch(name, key, arch, cp.cuda.Device().id)[0].get_function(func)
+
+
+def arch_log(name: str, arch: str, **defines: int) -> str:
+    """The compiler's log of that module (ptxas warnings; -v output under
+    KVFLEET_CUDA_PTXAS_V=1)."""
+    key = tuple(sorted((k, int(v)) for k, v in defines.items()))
+    return _module_arch(name, key, arch, cp.cuda.Device().id)[1]
+
+
+def set_dynamic_smem(fn, nbytes: int) -> None:
+    """Let a cupy Function use more than 48 KB of dynamic shared memory."""
+    cp.cuda.driver.funcSetAttribute(fn.ptr, 8, int(nbytes))  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
 def kernel(name: str, func: str, exact: bool = False, **defines: int) -> cp.RawKernel:
     """The compiled function `func` of kernels/cuda/`name` with `defines` as -D macros."""
     key = tuple(sorted((k, int(v)) for k, v in defines.items()))
