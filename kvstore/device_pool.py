@@ -8,6 +8,8 @@ bytes as the numpy codec); attend runs the fused CUDA kernel (kernels/cuda/atten
 
 Shadow contract: rows produced on the host (numpy L/R or coded rows read from disk) are
 uploaded once, when written, and never again: attend moves no cached row across the bus.
+Uploaded kv8 codes 0x7F / 0xFF (e4m3 NaN, which the contract decodes to 0) are stored as
+0x00 (also 0), as the Hopper attention kernel converts codes in hardware.
 `counters.rows_uploaded` / `bytes_uploaded` count every such upload (tests hold attend to
 zero). A tier or width without a CUDA kernel (polar on CUDA) falls back to the CPU codec /
 attention: `counters.fallbacks[(op, tier)]` counts each call, and the first of each kind is
@@ -125,6 +127,12 @@ class DevicePool(KVPool):
         host = [i for i, a in enumerate(arrs) if not isinstance(a, cp.ndarray)]
         for i, dev in zip(host, self.counters.upload(*[arrs[i] for i in host])):
             arrs[i] = dev
+        if self.tier.kind == "fp8":
+            # e4m3 NaN codes decode to 0, as 0x00 does; the sm_90a kernel converts codes in
+            # hardware (NaN stays NaN), so live rows hold the canonical 0x00 instead
+            for i in (0, 2):
+                c = arrs[i]
+                arrs[i] = cp.where((c & 0x7F) == 0x7F, cp.uint8(0), c).astype(cp.uint8)
         self._store(layer, slots, positions, *arrs)
 
     def _store(self, layer, slots, positions, lc, ls, rc, rs) -> None:
@@ -156,7 +164,8 @@ class DevicePool(KVPool):
         positions = np.asarray(positions, np.int64)
         key = slots.tobytes() + b"|" + positions.tobytes() + b"|" + bytes([n_heads % 256])
         if key != self._plan_key:
-            per_sm = cuda_attention.ctas_per_sm(self.tier, n_heads, self.kv_lora, self.rope)
+            per_sm = cuda_attention.ctas_per_sm(self.tier, n_heads, self.kv_lora, self.rope,
+                                                self.block_size)
             self._plan = cuda_attention.decode_plan(slots, positions, ctas_per_sm=per_sm)
             self._plan_key = key
         return self._plan

@@ -190,7 +190,8 @@ def bench_cuda(args) -> dict:
                              "GB_per_s": nbytes / t / 1e9, "TFLOP_per_s": flops / t / 1e12,
                              "floor_ms": 1e3 * floor, "x_floor": t / floor,
                              "bound": "bytes" if nbytes / ceil["copy_bytes_per_s"] >= flops / ceil["f16_flops_per_s"] else "flops",
-                             "splits": plan.n_work, "timing": method})
+                             "splits": plan.n_work, "timing": method,
+                             "kernel": cuda_attention.kernel_path(tier, H, DL, DR, BS)})
             del planes, tables
             cp.get_default_memory_pool().free_all_blocks()
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]

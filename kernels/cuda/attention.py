@@ -14,10 +14,17 @@ tensor cores with f16 operands and f32 accumulation) -> attn_combine (merge the 
 unrotates). Precision: kv8 codes are exact in f16; tq4 levels round to f16 (2^-11
 relative); the f32 tier converts K/V to f16 as well (|x| < 65504, 2^-11 relative), as do
 the queries (per head scaled to max |q| = 1) and the softmax weights.
+
+On Hopper (compute capability 9.0) kv8 and tq4 take attention_sm90.cu's attn_wg instead of
+attn_split (warpgroup MMA, the codes converted in registers; `kernel_path()` says which
+runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu). Same qprep / combine, same precision. It
+assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
+encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 """
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import cupy as cp
@@ -25,7 +32,7 @@ import numpy as np
 
 from kernels.cpu import tq4 as tq4_ref
 from kernels.cpu.rotation import rotatable
-from kernels.cuda._build import kernel
+from kernels.cuda._build import arch_kernel, kernel, set_dynamic_smem
 from kernels.tiers import Tier, get_tier
 
 _TIER_ID = {"f32": 0, "fp8": 1, "tq": 2}
@@ -97,9 +104,78 @@ def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0,
     return shape, -(-n_heads // hg)
 
 
-def ctas_per_sm(tier: Tier | str, n_heads: int, kv_lora: int, rope: int) -> int:
+WG_ENV = "KVFLEET_CUDA_WGMMA"  # "0": never the sm_90a kernel (comparisons, other GPUs)
+_WG_TIER = {"fp8": 1, "tq": 2}
+WG_THREADS = 384  # attention_sm90.cu NTHREADS: two consumer warpgroups + the producer's
+
+
+@dataclass(frozen=True)
+class WgShape:
+    """Compile-time shape of attention_sm90.cu (warpgroup MMA, Hopper)."""
+    tier_id: int
+    hn: int     # heads per CTA: the wgmma N (16, 32 or 64)
+    dl: int
+    dr: int
+    nslot: int  # 64-token raw half-tiles in flight
+    cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
+    tuning: tuple = ()  # extra (name, value) defines: SB, SW, LFIRST, SKIPW (timing only;
+                        # from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1")
+
+    @property
+    def defines(self) -> dict:
+        return dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
+                    CVT=self.cvt, **dict(self.tuning))
+
+    def shared_bytes(self) -> int:
+        """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
+        hn, dk = self.hn, self.dl + self.dr
+        lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
+        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
+        lut = 256 * 32 * 4 if self.tier_id == 2 else 0
+        slot = 64 * lrow + 64 * (rrow + 16) + 2 * 64 * 4
+        return head + lut + self.nslot * slot
+
+
+def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgShape, int] | None:
+    """(specialisation, head groups) of the sm_90a kernel, or None where it does not apply:
+    not a Hopper GPU, KVFLEET_CUDA_WGMMA=0, f32 / polar tiers, widths (kv_lora % 256,
+    rope % 32) or a block size that does not divide 64."""
+    if os.environ.get(WG_ENV, "1") == "0" or tier.kind not in _WG_TIER:
+        return None
+    if dl % 256 or dr % 32 or bs <= 0 or 64 % bs or not has_kernel(tier, dl, dr):
+        return None
+    dev = cp.cuda.Device()
+    if dev.compute_capability != "90":
+        return None
+    hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
+    limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
+    tuning = tuple((k, int(v)) for k, v in (kv.split("=") for kv in os.environ.get(
+        "KVFLEET_CUDA_WG_TUNING", "").split(",") if kv))
+    for nslot in (6, 5, 4, 3):
+        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tuning)
+        if shape.shared_bytes() <= limit:
+            return shape, -(-n_heads // hn)
+    return None
+
+
+def kernel_path(tier: Tier | str, n_heads: int, kv_lora: int, rope: int,
+                block_size: int = 16) -> str:
+    """Which kernel attends for these parameters: 'wgmma' (attention_sm90.cu), 'mma'
+    (attention.cu) or 'cpu' (no CUDA kernel: callers fall back)."""
+    tier = get_tier(tier)
+    if not has_kernel(tier, kv_lora, rope):
+        return "cpu"
+    return "wgmma" if _wg_shape(tier, n_heads, kv_lora, rope, block_size) else "mma"
+
+
+def ctas_per_sm(tier: Tier | str, n_heads: int, kv_lora: int, rope: int,
+                block_size: int = 16) -> int:
     """CTAs per SM of the kernel for this tier and head count (for decode_plan)."""
-    return _shape(get_tier(tier), n_heads, kv_lora, rope)[0].minb
+    tier = get_tier(tier)
+    if _wg_shape(tier, n_heads, kv_lora, rope, block_size):
+        return 1
+    return _shape(tier, n_heads, kv_lora, rope)[0].minb
 
 
 class _Kernels:
@@ -204,6 +280,45 @@ def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, 
         (N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
 
 
+class _WgKernel:
+    """attn_wg of one WgShape, compiled for sm_90a, shared memory limit set once."""
+
+    def __init__(self, shape: WgShape):
+        self.fn = arch_kernel("attention_sm90.cu", "attn_wg", "sm_90a", **shape.defines)
+        self.smem = shape.shared_bytes()
+        set_dynamic_smem(self.fn, self.smem)
+
+
+@functools.lru_cache(maxsize=None)
+def _wg_kernel(shape: WgShape, device: int) -> _WgKernel:
+    return _WgKernel(shape)
+
+
+def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
+               scale: float, out: cp.ndarray) -> None:
+    N, H, dl = q_lat.shape
+    dr = q_rope.shape[2]
+    hpad = groups * shape.hn
+    # attn_qprep / attn_combine of attention.cu depend only on TIER, DL and DR
+    ks = _kernels(Shape(shape.tier_id, 1, 64, dl, dr), cp.cuda.Device().id)
+    qh = cp.empty((N, hpad, dl + dr), cp.uint16)
+    qscale = cp.empty((N, hpad), cp.float32)
+    ks.qprep((N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
+                                 np.float32(scale * LOG2E)))
+    W = plan.n_work
+    o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
+    ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
+    if W:
+        wg = _wg_kernel(shape, cp.cuda.Device().id)
+        nb, bs = tables.shape[1], planes.l_scale.shape[1]
+        wg.fn((W, groups), (WG_THREADS,), (qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes,
+                                    planes.r_scale, tables, np.int32(nb), np.int32(bs),
+                                    plan.work, _tq_lut(cp.cuda.Device().id), o_part, ml_part,
+                                    np.int32(hpad)),
+              shared_mem=wg.smem)
+    ks.combine((N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+
+
 def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: DecodePlan,
                      q_lat: cp.ndarray, q_rope: cp.ndarray, scale: float,
                      _skip: int = 0, _two_ctas: bool = True) -> cp.ndarray:
@@ -232,8 +347,13 @@ def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: D
     if plan.max_row >= block_tables.shape[0] or plan.max_keys > block_tables.shape[1] * bs:
         raise ValueError(f"plan reaches table row {plan.max_row} / {plan.max_keys} keys; "
                          f"block_tables {block_tables.shape} x block_size {bs} is smaller")
-    shape, groups = _shape(tier, H, dl, dr, _skip, _two_ctas)
     out = cp.empty((N, H, dl), cp.float32)
+    wg = None if _skip else _wg_shape(tier, H, dl, dr, bs)
+    if wg is not None:
+        if N:
+            _launch_wg(wg[0], wg[1], planes, block_tables, plan, q_lat, q_rope, scale, out)
+        return out
+    shape, groups = _shape(tier, H, dl, dr, _skip, _two_ctas)
     if N:
         _launch(tier, shape, groups, planes, block_tables, plan, q_lat, q_rope, scale, out)
     return out

@@ -1,0 +1,679 @@
+// Paged MLA decode attention for Hopper (sm_90a): warpgroup MMA (wgmma) with the coded cache
+// converted in registers, never staged as f16 in shared memory. kv8 and tq4 only; the f32
+// tier and other GPUs use attention.cu. Same inputs and outputs as attention.cu's attn_split
+// (its attn_qprep makes the f16 queries, its attn_combine merges the splits).
+//
+// Compile-time parameters (-D): TIER 1 kv8 / 2 tq4; HN = heads per CTA (16, 32 or 64: the
+// wgmma N); DL, DR = latent and rope widths (DL % 256 == 0, DR % 32 == 0); NSLOT = 64-token
+// half-tiles in flight; CVT (kv8) 1 = cvt.rn.f16x2.e4m3x2, 0 = integer bit moves (slower);
+// SB, SW = S^T k-steps per wgmma group and groups left in flight; LFIRST = latent products
+// before the rope products; SKIPW (timing only, results wrong) leaves the wgmmas out.
+//
+// The products are transposed so that the cache is the register operand A:
+//   S^T[token, head] = K[token, :] . Q^T          (A = 64 tokens of K, B = Q^T in shared memory)
+//   O^T[dim, head]  += V^T[dim, token] . P^T      (A = 64 dims of V over 16 tokens, B = P^T)
+// so each thread loads the raw bytes it needs (kv8: 1 byte, tq4: half a byte per value),
+// converts them to f16 in registers and feeds them to wgmma; shared memory holds the raw
+// tiles, Q^T and P^T only. Every product's k axis may be permuted freely as long as A and B
+// agree: the latent dims are permuted so that a thread's four k values of a step are four
+// adjacent bytes (kv8) or nibbles (tq4), and Q^T is written in that order.
+//
+// CTA = one work item (query, table row, tokens [t0, t1)) x one group of HN heads; 384
+// threads: warps 0-3 and 4-7 are two consumer warpgroups, warp 8 the producer (warps 8-11
+// hand most of their registers to the consumers: setmaxnreg). The producer
+// copies each 64-token half-tile of raw rows into a ring of NSLOT slots with cp.async
+// (16-byte chunks, XOR-swizzled by token so that both read patterns are bank-conflict free)
+// and signals an mbarrier; consumers release a slot through another mbarrier once every warp
+// has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
+// 2*step + c (64 tokens x HN heads), both exchange the softmax numerators through P^T in
+// shared memory, and each accumulates O^T for its 256 latent dims over all 128 tokens.
+//
+// Softmax: base 2, per-head reference max M_h in shared memory, updated lazily: a step whose
+// scores all stay below M_h + 8 (and whose L scales stay below 128 x the reference c) uses the
+// old M and c (f16 weights <= 2^15); otherwise every warp publishes its maxima and the
+// accumulators are rescaled (barrier.red.or decides, uniformly). Scales never touch element
+// data: score = qscale_h * (sL_t q.L_t + sR_t q.R_t), computed as
+// fin_t * (rho_t * (q.R_t) + q.L_t) with rho = sR/sL (the R products run first); context
+// weights are p * sL_t / c, and the partial context is multiplied back by c at the end.
+//
+// Assumes kv8 live rows carry no NaN codes (0x7F / 0xFF): the GPU encoder never makes them
+// and DevicePool.write_coded maps them to 0x00 (both decode to 0) when rows are uploaded.
+
+#define NCW 8                // consumer warps (two warpgroups)
+#define NTHREADS (32 * NCW + 128)  // + the producer warpgroup
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240    // 128 * 24 + 256 * 240 = 168 * 384: exactly the
+                             // registers the CTA starts with (more and setmaxnreg.inc waits forever)
+#define HT 64                // tokens per half-tile
+#define DK (DL + DR)
+#define KS_L (DL / 16)
+#define KS_R (DR / 16)
+#define NJ (HN / 8)          // 8-head groups
+#ifndef CVT
+#define CVT 1
+#endif
+#ifndef SB
+#define SB 2                 // S^T k-steps per wgmma group (registers in flight: 2 groups)
+#endif
+#ifndef SW
+#define SW 1                 // S^T groups left in flight at each wait
+#endif
+#ifndef LFIRST               // 1: latent products before the rope products, so that they
+#define LFIRST (HN == 64)    // overlap the previous step's context products (faster at 64
+#endif                       // heads, slightly slower at 16)
+#ifndef SKIPW
+#define SKIPW 0              // timing only (results wrong): 1 no S^T wgmma, 2 no O^T wgmma
+#endif
+
+#if TIER == 1
+#define LROW DL
+#define RROW DR
+#if CVT
+#define KV8_UNIT 1.0f
+#else
+#define KV8_UNIT 256.0f
+#endif
+#else
+#define LROW (DL / 2)
+#define RROW (DR / 2)
+#endif
+#define RSTR (RROW + 16)     // padded R row: 80 (kv8) / 48 (tq4) bytes, conflict-free
+#define LCH (LROW / 16)
+#define RCH (RROW / 16)
+
+// Shared memory carve-up (bytes).
+#define SM_QT 0                                  // Q^T: HN x DK f16, canonical (no swizzle)
+#define SM_PT (SM_QT + HN * DK * 2)              // P^T: HN x 128 f16, canonical
+#define SM_QS (SM_PT + HN * 128 * 2)             // qscale[HN]
+#define SM_M (SM_QS + HN * 4)                    // reference max M[HN]
+#define SM_AL (SM_M + HN * 4)                    // rescale factors[HN]
+#define SM_RED (SM_AL + HN * 4)                  // [NCW][HN]
+#define SM_REDC (SM_RED + NCW * HN * 4)          // [NCW] warp max of sL, [NCW] = c
+#define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: full[NSLOT], empty[NSLOT]
+#define SM_LUT (SM_BAR + 8 * 2 * 8)
+#if TIER == 2
+#define LUT_BYTES (256 * 32 * 4)                 // pair table, one copy per bank
+#else
+#define LUT_BYTES 0
+#endif
+#define SM_SLOT (SM_LUT + LUT_BYTES)
+#define SLOT_L 0
+#define SLOT_R (HT * LROW)
+#define SLOT_SL (SLOT_R + HT * RSTR)
+#define SLOT_SR (SLOT_SL + HT * 4)
+#define SLOT_BYTES (SLOT_SR + HT * 4)
+#define SM_TOTAL (SM_SLOT + NSLOT * SLOT_BYTES)
+
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * NTHREADS,
+              "setmaxnreg can only hand over the registers the CTA starts with (168 each)");
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ bool bar_or(int id, int n, bool v) {
+    u32 r;
+    asm volatile("{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\n"
+                 "barrier.cta.red.or.pred po, %2, %3, pi;\nselp.u32 %0, 1, 0, po;\n}\n"
+                 : "=r"(r) : "r"((u32)v), "r"(id), "r"(n) : "memory");
+    return r != 0;
+}
+__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(a), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(a), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(a) : "memory");
+}
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+// Shared-memory matrix descriptor, no swizzle: core matrices of 8 rows x 16 bytes; lbo =
+// bytes between core matrices along k, sbo = along the 8-row (n) direction.
+__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFF) << 32);
+}
+__device__ __forceinline__ void stsm_x4_t(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+// Two e4m3 codes (low byte first) -> half2; exact (CVT=0: value * 2^-8, see KV8_UNIT).
+__device__ __forceinline__ u32 e4m3x2(u32 v16) {
+#if CVT
+    u32 r;
+    asm("{\n.reg .b16 t;\ncvt.u16.u32 t, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(r) : "r"(v16));
+    return r;
+#else
+    u32 t = prmt(v16, 0u, 0x1404u);  // [0, b0, 0, b1]
+    return (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
+#endif
+}
+__device__ __forceinline__ void wgmma_n16(float* d, const u32* a, u64 desc, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                 "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_n32(float* d, const u32* a, u64 desc, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 desc, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, int accumulate) {
+#if HN == 16
+    wgmma_n16(d, a, desc, accumulate);
+#elif HN == 32
+    wgmma_n32(d, a, desc, accumulate);
+#else
+    wgmma_n64(d, a, desc, accumulate);
+#endif
+}
+
+// Per-row factors of the score (see the header): fin * (rho * q.R + q.L) = sL q.L + sR q.R
+// (LFIRST swaps the roles of L and R). A zero or negligible L scale keeps the R part exact
+// and leaves q.L below 2^-40 of it.
+__device__ __forceinline__ void row_factors(float sl, float sr, float& rho, float& fin) {
+    if (!isfinite(sl)) { rho = 0.0f; fin = sl; }  // NaN / Inf scales propagate
+    else if (sl > 0.0f && sl >= sr * 0x1p-40f) { rho = sr / sl; fin = sl; }
+    else { rho = sr * 0x1p40f; fin = 0x1p-40f; }
+}
+
+// Effective per-token scale of the converted values (0 for an invalid token).
+__device__ __forceinline__ float eff_scale(float raw, float n) {
+#if TIER == 1
+    (void)n;
+    return raw * KV8_UNIT;
+#else
+    return (raw > 0.0f && isfinite(raw)) ? raw / sqrtf(n) : 0.0f;
+#endif
+}
+
+extern "C" __global__ void attn_wg_smem(int* out) { out[0] = SM_TOTAL; }
+
+// grid (W, Hpad / HN), block NTHREADS, dynamic shared memory SM_TOTAL. qh [N, Hpad, DK] f16
+// bits and qscale [N, Hpad] from attention.cu's attn_qprep; writes o_part [W, Hpad, DL] and
+// ml_part [W, Hpad, 2] exactly as attention.cu's attn_split does.
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
+        const unsigned char* __restrict__ l_codes, const float* __restrict__ l_scale,
+        const unsigned char* __restrict__ r_codes, const float* __restrict__ r_scale,
+        const int* __restrict__ tables, int nb, int bs, const int* __restrict__ work,
+        const u32* __restrict__ lut, float* __restrict__ o_part,
+        float* __restrict__ ml_part, int Hpad) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);  // provably warp-uniform
+    const int w_id = blockIdx.x, h0 = blockIdx.y * HN;
+    const int qn = work[4 * w_id], trow = work[4 * w_id + 1];
+    const int t0 = work[4 * w_id + 2], t1 = work[4 * w_id + 3];
+    const int nh = (t1 - t0 + HT - 1) / HT;
+    const int* table = tables + (size_t)trow * nb;
+    const u32 bar0 = smem_u32(smem + SM_BAR);
+    auto full = [&](int s) { return bar0 + 8u * s; };
+    auto empty = [&](int s) { return bar0 + 8u * (NSLOT + s); };
+    if (tid == 0) {
+        for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), 32); mbar_init(empty(s), NCW); }
+    }
+    // Zero the ring: a token that is never copied (past t1, no block) then reads as zeros or
+    // as an earlier real row, never as NaN codes.
+    for (int u = tid; u < NSLOT * SLOT_BYTES / 16; u += NTHREADS)
+        ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+
+    if (warp >= NCW) {
+        // ---------------- producer: raw half-tiles into the ring ----------------
+        // One warp copies (lane: tokens lane and lane + 32 of each half-tile); warps 9-11 only
+        // hand their registers over. (All four copying was no faster and slowed the 16-head
+        // kernels: their waits take issue slots from the consumers.) The next half-tile's
+        // pool rows are looked up before waiting for its slot, so the table loads overlap.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
+        if (warp == NCW) {
+            auto lookup = [&](int h, int i) -> int {
+                const int t = t0 + h * HT + i;
+                if (h >= nh || t >= t1) return -1;
+                const int b = table[t / bs];
+                return b >= 0 ? b * bs + t % bs : -1;
+            };
+            auto issue = [&](unsigned char* sp, int row, int i) {
+                if (row < 0) return;
+                const unsigned char* gl = l_codes + (size_t)row * LROW;
+                const u32 dl = smem_u32(sp + SLOT_L + i * LROW);
+#pragma unroll 4
+                for (int c = 0; c < LCH; ++c) cp_async16(dl + ((c ^ (i & 7)) << 4), gl + c * 16);
+                const unsigned char* gr = r_codes + (size_t)row * RROW;
+                const u32 dr = smem_u32(sp + SLOT_R + i * RSTR);
+#pragma unroll
+                for (int c = 0; c < RCH; ++c) cp_async16(dr + c * 16, gr + c * 16);
+                cp_async4(smem_u32(sp + SLOT_SL + 4 * i), l_scale + row);
+                cp_async4(smem_u32(sp + SLOT_SR + 4 * i), r_scale + row);
+            };
+            int row0 = lookup(0, lane), row1 = lookup(0, lane + 32);
+            for (int h = 0; h < nh; ++h) {
+                const int slot = h % NSLOT;
+                if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
+                unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
+                issue(sp, row0, lane);
+                issue(sp, row1, lane + 32);
+                cp_async_arrive(full(slot));
+                row0 = lookup(h + 1, lane);
+                row1 = lookup(h + 1, lane + 32);
+            }
+            asm volatile("cp.async.wait_all;" ::: "memory");
+        }
+    } else {
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGS));
+    const int cw = warp, wgc = cw >> 2, wi = cw & 3, g = lane >> 2, q = lane & 3;
+    const int ctid = tid;  // 0..255
+    float* sM = (float*)(smem + SM_M);
+    float* sAL = (float*)(smem + SM_AL);
+    float* sRED = (float*)(smem + SM_RED);
+    float* sREDC = (float*)(smem + SM_REDC);
+    const float* sQS = (const float*)(smem + SM_QS);
+#if TIER == 2
+    const u32* lutS = (const u32*)(smem + SM_LUT);
+#endif
+    {
+        // Q^T in the permuted, canonical layout (u32 = two adjacent k)
+        const u32* src = (const u32*)(qh + ((size_t)qn * Hpad + h0) * DK);
+        for (int u = ctid; u < HN * (DK / 2); u += 256) {
+            const int h = u / (DK / 2), d = 2 * (u % (DK / 2));
+            const int dl = d < DL ? d : d - DL, sb = d < DL ? 0 : KS_L;
+#if TIER == 1
+            const int s = sb + dl / 16, w = dl % 16, qd = w >> 2, e = w & 3;
+#else
+            const int r = dl & 31, s = sb + 2 * (dl >> 5) + ((r & 7) >> 2), qd = r >> 3, e = r & 3;
+#endif
+            const int k = e < 2 ? 2 * qd + e : 8 + 2 * qd + (e - 2);
+            const int off = ((2 * s + (k >> 3)) * NJ + (h >> 3)) * 128 + (h & 7) * 16 + (k & 7) * 2;
+            *(u32*)(smem + SM_QT + off) = src[(size_t)h * (DK / 2) + d / 2];
+        }
+        for (int h = ctid; h < HN; h += 256) {
+            ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
+            sM[h] = NEG_INF;
+        }
+#if TIER == 2
+        for (int u = ctid; u < 256 * 32; u += 256) ((u32*)(smem + SM_LUT))[u] = lut[u >> 5];
+#endif
+        fence_async_smem();
+        bar_sync(1, 256);
+    }
+    const u32 qt_addr = smem_u32(smem + SM_QT), pt_addr = smem_u32(smem + SM_PT);
+
+    float o[4][NJ * 4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int i = 0; i < NJ * 4; ++i) o[mt][i] = 0.0f;
+    float lsum[NJ * 2];
+#pragma unroll
+    for (int i = 0; i < NJ * 2; ++i) lsum[i] = 0.0f;
+    float c_ref = 0.0f;  // reference L scale of the context weights (same in every thread)
+    const int ta = 16 * wi + g, tb = ta + 8;  // this thread's S^T rows (tokens of a half-tile)
+
+    for (int step = 0; 2 * step < nh; ++step) {
+        const int hm = 2 * step + wgc;
+        const bool have = hm < nh;
+        float sacc[NJ * 4];
+        bool va = false, vb = false;
+        float sla = 0.0f, slb = 0.0f;
+        {
+            // Without a half-tile (odd count, last step) the products run on whatever the
+            // slot holds (finite codes) and every score is masked: no divergent wgmma.
+            const int slot = hm % NSLOT;
+            const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
+            const int tA = t0 + hm * HT + ta, tB = tA + 8;
+            if (have) {
+                va = tA < t1 && table[tA / bs] >= 0;
+                vb = tB < t1 && table[tB / bs] >= 0;
+                mbar_wait(full(slot), (hm / NSLOT) & 1);
+            }
+            const float* ssl = (const float*)(sp + SLOT_SL);
+            const float* ssr = (const float*)(sp + SLOT_SR);
+            float sra = 0.0f, srb = 0.0f;
+            if (va) { sla = eff_scale(ssl[ta], (float)DL); sra = eff_scale(ssr[ta], (float)DR); }
+            if (vb) { slb = eff_scale(ssl[tb], (float)DL); srb = eff_scale(ssr[tb], (float)DR); }
+            float rho_a, fin_a, rho_b, fin_b;
+#if LFIRST
+            row_factors(sra, sla, rho_a, fin_a);
+            row_factors(srb, slb, rho_b, fin_b);
+#else
+            row_factors(sla, sra, rho_a, fin_a);
+            row_factors(slb, srb, rho_b, fin_b);
+#endif
+
+            // A operand of S^T k-step s (rows ta, tb)
+            auto load_s = [&](u32* a, int s) {
+                u32 wa, wb;
+                if (s < KS_L) {
+#if TIER == 1
+                    wa = *(const u32*)(sp + SLOT_L + ta * LROW + ((s ^ g) << 4) + 4 * q);
+                    wb = *(const u32*)(sp + SLOT_L + tb * LROW + ((s ^ g) << 4) + 4 * q);
+#else
+                    wa = *(const u32*)(sp + SLOT_L + ta * LROW + (((s >> 1) ^ g) << 4) + 4 * q);
+                    wb = *(const u32*)(sp + SLOT_L + tb * LROW + (((s >> 1) ^ g) << 4) + 4 * q);
+#endif
+                } else {
+#if TIER == 1
+                    wa = *(const u32*)(sp + SLOT_R + ta * RSTR + ((s - KS_L) << 4) + 4 * q);
+                    wb = *(const u32*)(sp + SLOT_R + tb * RSTR + ((s - KS_L) << 4) + 4 * q);
+#else
+                    wa = *(const u32*)(sp + SLOT_R + ta * RSTR + (((s - KS_L) >> 1) << 4) + 4 * q);
+                    wb = *(const u32*)(sp + SLOT_R + tb * RSTR + (((s - KS_L) >> 1) << 4) + 4 * q);
+#endif
+                }
+#if TIER == 1
+                a[0] = e4m3x2(wa & 0xFFFFu);
+                a[1] = e4m3x2(wb & 0xFFFFu);
+                a[2] = e4m3x2(wa >> 16);
+                a[3] = e4m3x2(wb >> 16);
+#else
+                const int sh = (s & 1) * 16;
+                a[0] = lutS[((wa >> sh) & 0xFFu) * 32 + lane];
+                a[1] = lutS[((wb >> sh) & 0xFFu) * 32 + lane];
+                a[2] = lutS[((wa >> (sh + 8)) & 0xFFu) * 32 + lane];
+                a[3] = lutS[((wb >> (sh + 8)) & 0xFFu) * 32 + lane];
+#endif
+            };
+            auto rows_scale = [&]() {
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+                    sacc[4 * j] *= rho_a; sacc[4 * j + 1] *= rho_a;
+                    sacc[4 * j + 2] *= rho_b; sacc[4 * j + 3] *= rho_b;
+                }
+            };
+            auto chain_r = [&](bool first) {
+#pragma unroll
+                for (int s = 0; s < KS_R; ++s) {
+                    u32 a[4];
+                    load_s(a, KS_L + s);
+                    if (SKIPW & 1) { sacc[s & 7] += __int_as_float((a[0] ^ a[1] ^ a[2] ^ a[3]) & 0x3FFFu); continue; }
+                    wgmma_hn(sacc, a, make_desc(qt_addr + (KS_L + s) * 2 * NJ * 128, NJ * 128, 128),
+                             !first || s > 0);
+                }
+                wg_commit();
+            };
+            auto chain_l = [&](bool first) {
+#pragma unroll
+                for (int s0 = 0; s0 < KS_L; s0 += SB) {
+                    u32 a[SB][4];
+#pragma unroll
+                    for (int u = 0; u < SB; ++u) load_s(a[u], s0 + u);
+                    wg_fence();
+#pragma unroll
+                    for (int u = 0; u < SB; ++u) {
+                        if (SKIPW & 1) { sacc[u] += __int_as_float((a[u][0] ^ a[u][1] ^ a[u][2] ^ a[u][3]) & 0x3FFFu); continue; }
+                        wgmma_hn(sacc, a[u], make_desc(qt_addr + (s0 + u) * 2 * NJ * 128, NJ * 128, 128),
+                                 !first || s0 + u > 0);
+                    }
+                    wg_commit();
+                    wg_wait<SW>();
+                }
+            };
+#if LFIRST
+            // latent part first (overlapping the previous step's context products), then the
+            // rows rescaled to the R scale, then the rope part
+            chain_l(true);
+            wg_wait<0>();
+            rows_scale();
+            wg_fence();
+            chain_r(false);
+#else
+            // rope part first, then the rows rescaled to the L scale, then the latent part
+            wg_fence();
+            chain_r(true);
+            wg_wait<0>();
+            rows_scale();
+            chain_l(false);
+#endif
+            wg_wait<0>();
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const float2 qs = *(const float2*)(sQS + 8 * j + 2 * q);
+                sacc[4 * j] = va ? sacc[4 * j] * fin_a * qs.x : NEG_INF;
+                sacc[4 * j + 1] = va ? sacc[4 * j + 1] * fin_a * qs.y : NEG_INF;
+                sacc[4 * j + 2] = vb ? sacc[4 * j + 2] * fin_b * qs.x : NEG_INF;
+                sacc[4 * j + 3] = vb ? sacc[4 * j + 3] * fin_b * qs.y : NEG_INF;
+            }
+        }
+
+        // ---- softmax: lazy reference max ----
+        bool flag = (va && sla > 128.0f * c_ref) || (vb && slb > 128.0f * c_ref);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
+            flag |= sacc[4 * j] > m.x + 8.0f || sacc[4 * j + 2] > m.x + 8.0f ||
+                    sacc[4 * j + 1] > m.y + 8.0f || sacc[4 * j + 3] > m.y + 8.0f;
+        }
+        if (bar_or(2, 256, flag)) {
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float mx = fmaxf(sacc[4 * j + e], sacc[4 * j + 2 + e]);
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+                    if (g == 0) sRED[cw * HN + 8 * j + 2 * q + e] = mx;
+                }
+            float cm = fmaxf(va ? sla : 0.0f, vb ? slb : 0.0f);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
+            if (lane == 0) sREDC[cw] = cm;
+            bar_sync(3, 256);
+            if (ctid < HN) {
+                const float mo = sM[ctid];
+                float mn = mo;
+#pragma unroll
+                for (int w = 0; w < NCW; ++w) mn = fmaxf(mn, sRED[w * HN + ctid]);
+                sAL[ctid] = mn == NEG_INF ? 1.0f : fast_exp2(mo - mn);
+                sM[ctid] = mn;
+            }
+            if (ctid == 255) {
+                float cn = c_ref;
+#pragma unroll
+                for (int w = 0; w < NCW; ++w) cn = fmaxf(cn, sREDC[w]);
+                sREDC[NCW] = cn;
+            }
+            bar_sync(3, 256);
+            const float cn = sREDC[NCW];
+            const float cf = c_ref > 0.0f ? c_ref / cn : 1.0f;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const float2 al = *(const float2*)(sAL + 8 * j + 2 * q);
+                lsum[2 * j] *= al.x;
+                lsum[2 * j + 1] *= al.y;
+                const float f0 = al.x * cf, f1 = al.y * cf;
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    o[mt][4 * j] *= f0; o[mt][4 * j + 2] *= f0;
+                    o[mt][4 * j + 1] *= f1; o[mt][4 * j + 3] *= f1;
+                }
+            }
+            c_ref = cn;
+        }
+
+        // ---- numerators -> P^T (f16, weights p * sL / c; zeros without a half-tile) ----
+        {
+            const float inv_c = c_ref > 0.0f ? 1.0f / c_ref : 0.0f;
+            const float wfa = va ? sla * inv_c : 0.0f, wfb = vb ? slb * inv_c : 0.0f;
+            u32 pr[NJ][2];
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                float2 m = *(const float2*)(sM + 8 * j + 2 * q);
+                m.x = m.x == NEG_INF ? 0.0f : m.x;
+                m.y = m.y == NEG_INF ? 0.0f : m.y;
+                const float p0 = fast_exp2(sacc[4 * j] - m.x), p1 = fast_exp2(sacc[4 * j + 1] - m.y);
+                const float p2 = fast_exp2(sacc[4 * j + 2] - m.x), p3 = fast_exp2(sacc[4 * j + 3] - m.y);
+                lsum[2 * j] += p0 + p2;
+                lsum[2 * j + 1] += p1 + p3;
+                pr[j][0] = pack_h2(p0 * wfa, p1 * wfa);
+                pr[j][1] = pack_h2(p2 * wfb, p3 * wfb);
+            }
+            const int m4 = lane >> 3, k8 = lane & 7;
+#pragma unroll
+            for (int jp = 0; jp < NJ / 2; ++jp) {
+                const int jj = 2 * jp + (m4 >> 1), r = m4 & 1;
+                const u32 addr = pt_addr + (((8 * wgc + 2 * wi + r) * NJ + jj) * 8 + k8) * 16;
+                stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
+            }
+        }
+        fence_async_smem();
+        bar_sync(4, 256);
+
+        // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            // a missing half-tile (odd count) has zero weights in P^T: no divergent wgmma
+            const int hs = 2 * step + (kk >> 2);
+            const int slot = hs % NSLOT;
+            if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(slot), (hs / NSLOT) & 1);
+            const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES + SLOT_L;
+            const int tt = 16 * (kk & 3) + 2 * q;
+            u32 a[4][4];
+#if TIER == 1
+            const int c = 16 * wgc + 4 * wi + (g >> 1), off = (g & 1) * 8;
+            uint2 X[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = tt + (i & 1) + (i >> 1) * 8;
+                X[i] = *(const uint2*)(sp + t * LROW + ((c ^ (t & 7)) << 4) + off);
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                const int b = 2 * (mt & 1);
+                const u32 sel = b | ((4 + b) << 4) | ((b + 1) << 8) | ((5 + b) << 12);
+                const u32 p01 = mt < 2 ? prmt(X[0].x, X[1].x, sel) : prmt(X[0].y, X[1].y, sel);
+                const u32 p23 = mt < 2 ? prmt(X[2].x, X[3].x, sel) : prmt(X[2].y, X[3].y, sel);
+                a[mt][0] = e4m3x2(p01 & 0xFFFFu);
+                a[mt][1] = e4m3x2(p01 >> 16);
+                a[mt][2] = e4m3x2(p23 & 0xFFFFu);
+                a[mt][3] = e4m3x2(p23 >> 16);
+            }
+#else
+            const int c = 8 * wgc + 2 * wi + (g >> 2), off = (g & 3) * 4;
+            u32 W[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = tt + (i & 1) + (i >> 1) * 8;
+                W[i] = *(const u32*)(sp + t * LROW + ((c ^ (t & 7)) << 4) + off);
+            }
+            const u32 ev01 = (W[0] & 0x0F0F0F0Fu) | ((W[1] << 4) & 0xF0F0F0F0u);
+            const u32 od01 = ((W[0] >> 4) & 0x0F0F0F0Fu) | (W[1] & 0xF0F0F0F0u);
+            const u32 ev23 = (W[2] & 0x0F0F0F0Fu) | ((W[3] << 4) & 0xF0F0F0F0u);
+            const u32 od23 = ((W[2] >> 4) & 0x0F0F0F0Fu) | (W[3] & 0xF0F0F0F0u);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                a[mt][0] = lutS[((ev01 >> (8 * mt)) & 0xFFu) * 32 + lane];
+                a[mt][1] = lutS[((od01 >> (8 * mt)) & 0xFFu) * 32 + lane];
+                a[mt][2] = lutS[((ev23 >> (8 * mt)) & 0xFFu) * 32 + lane];
+                a[mt][3] = lutS[((od23 >> (8 * mt)) & 0xFFu) * 32 + lane];
+            }
+#endif
+            wg_fence();
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                if (SKIPW & 2) { o[mt][kk] += __int_as_float((a[mt][0] ^ a[mt][1] ^ a[mt][2] ^ a[mt][3]) & 0x3FFFu); continue; }
+                wgmma_hn(o[mt], a[mt], make_desc(pt_addr + kk * 2 * NJ * 128, NJ * 128, 128), 1);
+            }
+            wg_commit();
+            wg_wait<1>();
+            if ((kk & 3) == 3 && hs < nh) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(slot));
+            }
+        }
+    }
+    wg_wait<0>();
+
+    // ---- epilogue: (max, sum) per head, partial context * c ----
+#pragma unroll
+    for (int i = 0; i < NJ * 2; ++i) {
+        float v = lsum[i];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        lsum[i] = v;
+    }
+    bar_sync(3, 256);
+    if (g == 0)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            sRED[cw * HN + 8 * j + 2 * q] = lsum[2 * j];
+            sRED[cw * HN + 8 * j + 2 * q + 1] = lsum[2 * j + 1];
+        }
+    bar_sync(3, 256);
+    if (ctid < HN) {
+        float l = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NCW; ++w) l += sRED[w * HN + ctid];
+        float* ml = ml_part + ((size_t)w_id * Hpad + h0 + ctid) * 2;
+        ml[0] = sM[ctid];
+        ml[1] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float* dst = o_part + ((size_t)w_id * Hpad + h0 + 8 * j + 2 * q + e) * DL +
+                         256 * wgc + 64 * wi + 8 * g;
+            const int i0 = 4 * j + e, i1 = 4 * j + 2 + e;
+            *(float4*)dst = make_float4(o[0][i0] * c_ref, o[0][i1] * c_ref, o[1][i0] * c_ref, o[1][i1] * c_ref);
+            *(float4*)(dst + 4) = make_float4(o[2][i0] * c_ref, o[2][i1] * c_ref, o[3][i0] * c_ref, o[3][i1] * c_ref);
+        }
+    }
+}
