@@ -71,7 +71,9 @@ def reference(tier, planes, tables, rows, positions, q_lat, q_rope):
     return out
 
 
-def run(tier_name, H, n_sm, seed):
+def contexts(tier_name, H, n_sm, seed):
+    """(GPU contexts, float64 reference, positions, plan) for nine queries over a hostile
+    pool (also used by diag_wgmma.py)."""
     rng = np.random.default_rng(seed)
     tier, planes, tables = make_pool(tier_name, rng)
     rows = np.array([0, 1, 2, 3, 3, 3, 4, 2, 4])
@@ -84,9 +86,13 @@ def run(tier_name, H, n_sm, seed):
     plan = gpu.decode_plan(rows, positions, n_sm=n_sm)
     out = gpu.paged_mla_decode(tier, dev, cp.asarray(tables), plan, cp.asarray(q_lat),
                                cp.asarray(q_rope), SCALE).get()
-    want = reference(tier, planes, tables, rows, positions, q_lat, q_rope)
+    return out, reference(tier, planes, tables, rows, positions, q_lat, q_rope), positions, plan
+
+
+def run(tier_name, H, n_sm, seed):
+    out, want, positions, plan = contexts(tier_name, H, n_sm, seed)
     assert np.isfinite(out).all(), f"{tier_name} H={H}: non-finite output"
-    for i in range(N):
+    for i in range(len(positions)):
         if positions[i] < 0:
             assert not out[i].any(), "padding query must give zeros"
             continue
@@ -120,3 +126,55 @@ def test_attention_rejects_bad_input():
     with pytest.raises(ValueError, match="no CUDA attention kernel"):
         gpu.paged_mla_decode("polar3", dev, cp.asarray(tables), plan, q, q, 1.0)
     assert not gpu.has_kernel("kv8", 48, 64) and gpu.has_kernel("tq4", 512, 64)
+
+
+def _hopper() -> bool:
+    return cp.cuda.Device().compute_capability == "90"
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+@pytest.mark.parametrize("H", [24, 64])
+def test_wgmma_and_mma_kernels_agree(tier, H, monkeypatch):
+    """On Hopper kv8 / tq4 take attention_sm90.cu; attention.cu (KVFLEET_CUDA_WGMMA=0) gives
+    the same contexts within the tolerance of both (H=24: the 32-head specialisation)."""
+    if not _hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    assert gpu.kernel_path(tier, H, DL, DR) == "wgmma"
+    rng = np.random.default_rng(11)
+    t, planes, tables = make_pool(tier, rng)
+    rows, positions = np.array([4, 3, 2, 0]), np.array([2599, 1099, 299, 0])
+    q_lat = cp.asarray(rng.standard_normal((4, H, DL)).astype(np.float32))
+    q_rope = cp.asarray(rng.standard_normal((4, H, DR)).astype(np.float32))
+    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+    tab = cp.asarray(tables)
+    plan = gpu.decode_plan(rows, positions)
+    new = gpu.paged_mla_decode(t, dev, tab, plan, q_lat, q_rope, SCALE).get()
+    monkeypatch.setenv(gpu.WG_ENV, "0")
+    assert gpu.kernel_path(tier, H, DL, DR) == "mma"
+    old = gpu.paged_mla_decode(t, dev, tab, plan, q_lat, q_rope, SCALE).get()
+    err = np.linalg.norm((new - old).reshape(4, -1), axis=1) / np.linalg.norm(old.reshape(4, -1), axis=1)
+    assert err.max() < 3e-3, err
+
+
+def test_wgmma_shared_memory_matches_python():
+    """WgShape.shared_bytes() (which sizes the launch) equals the kernel's SM_TOTAL."""
+    if not _hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    from kernels.cuda._build import arch_kernel
+    for tier in ("kv8", "tq4"):
+        for H in (16, 32, 64):
+            shape, groups = gpu._wg_shape(get_tier(tier), H, DL, DR, BS)
+            assert groups == 1 and shape.nslot >= 3
+            fn = arch_kernel("attention_sm90.cu", "attn_wg_smem", "sm_90a", **shape.defines)
+            out = cp.zeros(1, cp.int32)
+            fn((1,), (1,), (out,))
+            assert int(out[0]) == shape.shared_bytes() <= cp.cuda.Device().attributes[
+                "MaxSharedMemoryPerBlockOptin"]
+
+
+def test_kernel_path_choices():
+    assert gpu.kernel_path("f32", 64, DL, DR) == "mma"
+    assert gpu.kernel_path("polar3", 64, DL, DR) == "cpu"
+    assert gpu.kernel_path("kv8", 64, DL, DR, block_size=48) == "mma"  # 48 does not divide 64
+    assert gpu.kernel_path("kv8", 64, 384, DR) == "mma"  # kv_lora % 256

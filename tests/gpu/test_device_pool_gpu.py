@@ -104,3 +104,28 @@ def test_polar_falls_back_to_cpu_counted_and_logged_once(caplog):
     assert m["fallback_attend_polar3"] == 3 and m["fallback_encode_polar3"] == 2
     warnings = [r for r in caplog.records if "falls back to the CPU" in r.getMessage()]
     assert len(warnings) == 2  # once per (op, tier), not once per call
+
+
+def test_kv8_nan_codes_are_stored_as_zero():
+    """e4m3 NaN codes (0x7F / 0xFF) in uploaded coded rows decode to 0 in the contract; the
+    device pool stores them as 0x00 so the hardware conversion of the sm_90a kernel agrees."""
+    rng = np.random.default_rng(5)
+    kw = dict(n_layers=1, kv_lora=DL, rope=DR, tier="kv8", n_blocks=40, max_slots=2)
+    host, dev = KVPool(**kw), DevicePool(**kw)
+    n = 300
+    lc = rng.integers(0, 256, (n, DL)).astype(np.uint8)
+    rc = rng.integers(0, 256, (n, DR)).astype(np.uint8)
+    lc[:, :7] = 0x7F
+    rc[:, :3] = 0xFF
+    ls = rng.uniform(0.005, 0.02, n).astype(np.float32)
+    rs = rng.uniform(0.005, 0.02, n).astype(np.float32)
+    for p in (host, dev):
+        s = p.alloc_slot()
+        p.write_coded(0, np.full(n, s), np.arange(n), lc, ls, rc, rs)
+    got = dev.read_rows(s, 0)
+    assert not ((got[0] & 0x7F) == 0x7F).any() and not ((got[2] & 0x7F) == 0x7F).any()
+    ql = rng.standard_normal((1, 16, DL)).astype(np.float32)
+    qr = rng.standard_normal((1, 16, DR)).astype(np.float32)
+    want = host.attend(0, [s], [n - 1], ql, qr, SCALE)
+    out = dev.attend(0, [s], [n - 1], ql, qr, SCALE)
+    assert np.isfinite(out).all() and rel(out, want) < 2e-3

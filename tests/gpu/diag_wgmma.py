@@ -1,0 +1,98 @@
+"""Diagnostic (not a test): the sm_90a kernel (attention_sm90.cu) against the float64
+reference and against attention.cu, per variant, printing errors instead of asserting.
+
+    python3 tests/gpu/diag_wgmma.py            # shared memory check + error matrix
+    python3 tests/gpu/diag_wgmma.py --log      # also the compiler log (ptxas -v)
+    python3 tests/gpu/diag_wgmma.py --tune "SB=2,SW=1" "SB=2,SW=3,LFIRST=1" ...
+                                   # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
+
+Variants come from the environment the kernel reads: KVFLEET_CUDA_KV8_CVT (1 hardware
+conversion, 0 bit moves) and KVFLEET_CUDA_WG_TUNING (extra defines, e.g. "SKIPW=3").
+"""
+import os
+import sys
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attention_gpu import DL, DR, SCALE, contexts  # noqa: E402
+
+from kernels.cuda import attention as gpu  # noqa: E402
+from kernels.cuda._build import arch_kernel, arch_log  # noqa: E402
+from kernels.tiers import get_tier  # noqa: E402
+
+
+def smem_check() -> None:
+    for tier in ("kv8", "tq4"):
+        for hn in (16, 32, 64):
+            shape, _ = gpu._wg_shape(get_tier(tier), hn, DL, DR, 16)
+            fn = arch_kernel("attention_sm90.cu", "attn_wg_smem", "sm_90a", **shape.defines)
+            out = cp.zeros(1, cp.int32)
+            fn((1,), (1,), (out,))
+            print(f"smem {tier} HN={hn} nslot={shape.nslot}: kernel {int(out[0])} "
+                  f"python {shape.shared_bytes()}", flush=True)
+
+
+def errors(tier_name: str, H: int, seed: int, n_sm: int = 132) -> list[float]:
+    """Per query: relative L2 error against float64 (padding query: its largest |value|)."""
+    out, want, positions, _ = contexts(tier_name, H, n_sm, seed)
+    return [float(np.abs(out[i]).max()) if p < 0 else
+            float(np.linalg.norm(out[i] - want[i]) / np.linalg.norm(want[i]))
+            for i, p in enumerate(positions)]
+
+
+def tune(variants: list[str]) -> None:
+    from cluster.bench.attention import _device_planes, _graph_time
+    B, T = 16, 32768
+    rng = np.random.default_rng(0)
+    for tier_name in ("kv8", "tq4"):
+        tier = get_tier(tier_name)
+        planes, tables = _device_planes(tier, B, T, rng)
+        for H in (64, 16):
+            q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
+            q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
+            plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=1)
+            for v in variants:
+                for cvt in (os.environ.get("TUNE_CVT", "1,0").split(",") if tier_name == "kv8"
+                            else ("1",)):
+                    os.environ["KVFLEET_CUDA_WG_TUNING"] = v
+                    os.environ["KVFLEET_CUDA_KV8_CVT"] = cvt
+                    err = max(errors(tier_name, H, seed=3))
+                    fn = lambda: gpu.paged_mla_decode(  # noqa: E731
+                        tier, planes, tables, plan, q_lat, q_rope, SCALE)
+                    t = _graph_time(fn, 10)[0]
+                    print(f"tune {tier_name} H={H} [{v}] cvt={cvt}: {1e3 * t:.3f} ms  "
+                          f"(max err {err:.1e})", flush=True)
+        del planes, tables
+        cp.get_default_memory_pool().free_all_blocks()
+    os.environ.pop("KVFLEET_CUDA_WG_TUNING", None)
+    os.environ.pop("KVFLEET_CUDA_KV8_CVT", None)
+
+
+def main() -> None:
+    if "--tune" in sys.argv:
+        tune(sys.argv[sys.argv.index("--tune") + 1:])
+        return
+    if "--log" in sys.argv:
+        for tier, hn in (("kv8", 64), ("tq4", 64), ("kv8", 16)):
+            shape, _ = gpu._wg_shape(get_tier(tier), hn, DL, DR, 16)
+            os.environ["KVFLEET_CUDA_PTXAS_V"] = "1"
+            print(f"--- log {tier} HN={hn}\n" + arch_log("attention_sm90.cu", "sm_90a",
+                                                        **shape.defines)[-1500:], flush=True)
+    smem_check()
+    for cvt in ("1", "0"):
+        os.environ["KVFLEET_CUDA_KV8_CVT"] = cvt
+        for tier in ("kv8", "tq4"):
+            if tier == "tq4" and cvt == "0":
+                continue
+            for H in (16, 64, 4, 24, 128):
+                for n_sm in (132, 1):
+                    e = errors(tier, H, seed=H, n_sm=n_sm)
+                    print(f"cvt={cvt} {tier} H={H} n_sm={n_sm}: max err {max(e):.2e}  "
+                          + " ".join(f"{x:.1e}" for x in e), flush=True)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
