@@ -198,13 +198,7 @@ __device__ __forceinline__ uint4 convert_unit(RawUnit w, const u32* lut) {
 
 // ---------------------------------------------------------------------------------------
 
-__device__ __forceinline__ bool neg_sign(u32 i) {
-    u32 x = (0x9E3779B9u ^ i) + 0x9E3779B9u;
-    x = (x ^ (x >> 16)) * 0x85EBCA6Bu;
-    x = (x ^ (x >> 13)) * 0xC2B2AE35u;
-    x ^= x >> 16;
-    return x & 1u;
-}
+#include "sign_hash.cuh"
 
 // Unnormalized butterfly of buf[n] (all threads of a block of `nthreads` call it).
 __device__ __forceinline__ void butterfly(float* buf, int n, int nthreads) {

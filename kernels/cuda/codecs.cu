@@ -79,13 +79,7 @@ fp8_encode(const float* __restrict__ x, unsigned char* __restrict__ codes,
 
 // ---- rotation (shared with tq4): y = H(D x) --------------------------------------------
 
-__device__ __forceinline__ bool neg_sign(unsigned int i) {
-    unsigned int x = (0x9E3779B9u ^ i) + 0x9E3779B9u;
-    x = (x ^ (x >> 16)) * 0x85EBCA6Bu;
-    x = (x ^ (x >> 13)) * 0xC2B2AE35u;
-    x ^= x >> 16;
-    return x & 1u;
-}
+#include "sign_hash.cuh"
 
 // In-place radix-2 butterfly on buf[n] in shared memory (stages len = 1, 2, ..., n/2),
 // without the 1/sqrt(n) multiply. All threads of the block call it.
