@@ -76,10 +76,19 @@ class Shape:
                 + 4 * (self.nstage + 1) * self.bt + 2 * 4 * tg * mrows + 4 * mrows + 4 * 256 + 16)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_info(device: int) -> tuple[str, int, int, int]:
+    """(compute capability, shared memory per SM, per block opt-in, SMs) of a device, read
+    once per process: Device.attributes queries every attribute, and this runs per layer."""
+    dev = cp.cuda.Device(device)
+    attrs = dev.attributes
+    return (dev.compute_capability, attrs["MaxSharedMemoryPerMultiprocessor"],
+            attrs["MaxSharedMemoryPerBlockOptin"], attrs["MultiProcessorCount"])
+
+
 def _smem_limit(ctas_per_sm: int = 1) -> int:
-    attrs = cp.cuda.Device().attributes
-    per_sm = attrs["MaxSharedMemoryPerMultiprocessor"] // ctas_per_sm - 1024  # 1 KiB/CTA reserved
-    return min(attrs["MaxSharedMemoryPerBlockOptin"], per_sm)
+    _, per_sm, optin, _ = _device_info(cp.cuda.Device().id)
+    return min(optin, per_sm // ctas_per_sm - 1024)  # 1 KiB/CTA reserved
 
 
 def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0,
@@ -144,11 +153,10 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
         return None
     if dl % 256 or dr % 32 or bs <= 0 or 64 % bs or not has_kernel(tier, dl, dr):
         return None
-    dev = cp.cuda.Device()
-    if dev.compute_capability != "90":
+    cc, _, limit, _ = _device_info(cp.cuda.Device().id)
+    if cc != "90":
         return None
     hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
-    limit = dev.attributes["MaxSharedMemoryPerBlockOptin"]
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
     tuning = tuple((k, int(v)) for k, v in (kv.split("=") for kv in os.environ.get(
         "KVFLEET_CUDA_WG_TUNING", "").split(",") if kv))
@@ -218,7 +226,7 @@ def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) 
     n_keys = np.maximum(pos + 1, 0)
     total = int(n_keys.sum())
     if n_sm is None:
-        n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+        n_sm = _device_info(cp.cuda.Device().id)[3]
     n_sm *= ctas_per_sm
     # One CTA per SM: the smallest multiple of 64 (every tile size divides it) whose work
     # items fit in one wave, so no second wave runs a handful of stragglers.
