@@ -145,6 +145,17 @@ class WgShape:
         return head + lut + self.nslot * slot
 
 
+def _tuning(text: str) -> tuple[tuple[str, int], ...]:
+    """KVFLEET_CUDA_WG_TUNING ("SB=2,SW=1") as (define, value) pairs."""
+    out = []
+    for kv in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = kv.partition("=")
+        if not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise ValueError(f"KVFLEET_CUDA_WG_TUNING entry {kv!r} must look like SB=2")
+        out.append((name, int(value)))
+    return tuple(out)
+
+
 def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgShape, int] | None:
     """(specialisation, head groups) of the sm_90a kernel, or None where it does not apply:
     not a Hopper GPU, KVFLEET_CUDA_WGMMA=0, f32 / polar tiers, widths (kv_lora % 256,
@@ -158,8 +169,7 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
         return None
     hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
-    tuning = tuple((k, int(v)) for k, v in (kv.split("=") for kv in os.environ.get(
-        "KVFLEET_CUDA_WG_TUNING", "").split(",") if kv))
+    tuning = _tuning(os.environ.get("KVFLEET_CUDA_WG_TUNING", ""))
     for nslot in (6, 5, 4, 3):
         shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tuning)
         if shape.shared_bytes() <= limit:
