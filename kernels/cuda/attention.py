@@ -127,7 +127,7 @@ class WgShape:
     dr: int
     nslot: int  # 64-token raw half-tiles in flight
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
-    tuning: tuple = ()  # extra (name, value) defines: SB, SW, LFIRST, SKIPW (timing only;
+    tuning: tuple = ()  # extra (name, value) defines: SB, SW, PW, SKIPW (timing only;
                         # from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1")
 
     @property
@@ -141,7 +141,7 @@ class WgShape:
         lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
         head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
         lut = 256 * 32 * 4 if self.tier_id == 2 else 0
-        slot = 64 * lrow + 64 * (rrow + 16) + 2 * 64 * 4
+        slot = 64 * lrow + 64 * (rrow + 16) + 2 * 64 * 4 + 16  # + the valid-token mask
         return head + lut + self.nslot * slot
 
 

@@ -6,8 +6,9 @@
 // Compile-time parameters (-D): TIER 1 kv8 / 2 tq4; HN = heads per CTA (16, 32 or 64: the
 // wgmma N); DL, DR = latent and rope widths (DL % 256 == 0, DR % 32 == 0); NSLOT = 64-token
 // half-tiles in flight; CVT (kv8) 1 = cvt.rn.f16x2.e4m3x2, 0 = integer bit moves (slower);
-// SB, SW = S^T k-steps per wgmma group and groups left in flight; LFIRST = latent products
-// before the rope products; SKIPW (timing only, results wrong) leaves the wgmmas out.
+// SB, SW = S^T k-steps per wgmma group and groups left in flight; PW = producer warps that
+// copy (1 or 2); SKIPW=4 / SKIPC=1 (timing only, results wrong): the copy pipeline alone
+// (consumers only release slots) / the consumers alone (nothing copied).
 //
 // The products are transposed so that the cache is the register operand A:
 //   S^T[token, head] = K[token, :] . Q^T          (A = 64 tokens of K, B = Q^T in shared memory)
@@ -22,9 +23,9 @@
 // threads: warps 0-3 and 4-7 are two consumer warpgroups, warp 8 the producer (warps 8-11
 // hand most of their registers to the consumers: setmaxnreg). The producer
 // copies each 64-token half-tile of raw rows into a ring of NSLOT slots with cp.async
-// (16-byte chunks, XOR-swizzled by token so that both read patterns are bank-conflict free)
-// and signals an mbarrier; consumers release a slot through another mbarrier once every warp
-// has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
+// (16-byte chunks, XOR-swizzled by token so that both read patterns are bank-conflict free),
+// writes the half-tile's valid-token mask beside it and signals an mbarrier; consumers
+// release a slot through another mbarrier once every warp has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
 // 2*step + c (64 tokens x HN heads), both exchange the softmax numerators through P^T in
 // shared memory, and each accumulates O^T for its 256 latent dims over all 128 tokens.
 //
@@ -58,11 +59,14 @@
 #ifndef SW
 #define SW 1                 // S^T groups left in flight at each wait
 #endif
-#ifndef LFIRST               // 1: latent products before the rope products, so that they
-#define LFIRST (HN == 64)    // overlap the previous step's context products (faster at 64
-#endif                       // heads, slightly slower at 16)
+#ifndef PW                   // producer warps that copy (1 or 2): two help kv8 at 16 heads
+#define PW (HN == 64 ? 1 : 2)  // (0.189 -> 0.163 ms at 16 x 32k), are even at 64 heads
+#endif
+#ifndef SKIPC
+#define SKIPC 0              // timing only (results wrong): 1 = nothing copied (consumers alone)
+#endif
 #ifndef SKIPW
-#define SKIPW 0              // timing only (results wrong): 1 no S^T wgmma, 2 no O^T wgmma
+#define SKIPW 0              // timing only (results wrong): 4 = no consumer work
 #endif
 
 #if TIER == 1
@@ -101,7 +105,8 @@
 #define SLOT_R (HT * LROW)
 #define SLOT_SL (SLOT_R + HT * RSTR)
 #define SLOT_SR (SLOT_SL + HT * 4)
-#define SLOT_BYTES (SLOT_SR + HT * 4)
+#define SLOT_MK (SLOT_SR + HT * 4)              // valid-token mask (u64, producer-written)
+#define SLOT_BYTES (SLOT_MK + 16)
 #define SM_TOTAL (SM_SLOT + NSLOT * SLOT_BYTES)
 
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * NTHREADS,
@@ -191,40 +196,42 @@ __device__ __forceinline__ u32 e4m3x2(u32 v16) {
     return (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
 #endif
 }
-__device__ __forceinline__ void wgmma_n16(float* d, const u32* a, u64 desc, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+__device__ __forceinline__ void wgmma_n16(float* d, const u32* a, u64 desc, u64 off, int accumulate) {
+    asm volatile("{\n.reg .pred p;\n.reg .b64 dd;\nsetp.ne.b32 p, %14, 0;\nadd.s64 dd, %12, %13;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-                 "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 "{%8, %9, %10, %11}, dd, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(off), "r"(accumulate));
 }
-__device__ __forceinline__ void wgmma_n32(float* d, const u32* a, u64 desc, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+__device__ __forceinline__ void wgmma_n32(float* d, const u32* a, u64 desc, u64 off, int accumulate) {
+    asm volatile("{\n.reg .pred p;\n.reg .b64 dd;\nsetp.ne.b32 p, %22, 0;\nadd.s64 dd, %20, %21;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 "{%16, %17, %18, %19}, dd, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(off), "r"(accumulate));
 }
-__device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 desc, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+__device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 desc, u64 off, int accumulate) {
+    asm volatile("{\n.reg .pred p;\n.reg .b64 dd;\nsetp.ne.b32 p, %38, 0;\nadd.s64 dd, %36, %37;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 "{%32, %33, %34, %35}, dd, p, 1, 1, 0;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(off), "r"(accumulate));
 }
 
-__device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, int accumulate) {
+// desc: descriptor of the operand's base; off: bytes / 16 added to its start address (inside
+// the asm, so that the compiler keeps one base instead of a descriptor per k-step)
+__device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, u32 off, int accumulate) {
 #if HN == 16
-    wgmma_n16(d, a, desc, accumulate);
+    wgmma_n16(d, a, desc, off, accumulate);
 #elif HN == 32
-    wgmma_n32(d, a, desc, accumulate);
+    wgmma_n32(d, a, desc, off, accumulate);
 #else
-    wgmma_n64(d, a, desc, accumulate);
+    wgmma_n64(d, a, desc, off, accumulate);
 #endif
 }
 
 // Per-row factors of the score (see the header): fin * (rho * q.R + q.L) = sL q.L + sR q.R
-// (LFIRST swaps the roles of L and R). A zero or negligible L scale keeps the R part exact
+// A zero or negligible L scale keeps the R part exact
 // and leaves q.L below 2^-40 of it.
 __device__ __forceinline__ void row_factors(float sl, float sr, float& rho, float& fin) {
     if (!isfinite(sl)) { rho = 0.0f; fin = sl; }  // NaN / Inf scales propagate
@@ -266,7 +273,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     auto full = [&](int s) { return bar0 + 8u * s; };
     auto empty = [&](int s) { return bar0 + 8u * (NSLOT + s); };
     if (tid == 0) {
-        for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), 32); mbar_init(empty(s), NCW); }
+        for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), 33 * PW); mbar_init(empty(s), NCW); }
     }
     // Zero the ring: a token that is never copied (past t1, no block) then reads as zeros or
     // as an earlier real row, never as NaN codes.
@@ -276,12 +283,16 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 
     if (warp >= NCW) {
         // ---------------- producer: raw half-tiles into the ring ----------------
-        // One warp copies (lane: tokens lane and lane + 32 of each half-tile); warps 9-11 only
-        // hand their registers over. (All four copying was no faster and slowed the 16-head
-        // kernels: their waits take issue slots from the consumers.) The next half-tile's
-        // pool rows are looked up before waiting for its slot, so the table loads overlap.
+        // PW warps copy; the others only hand their registers over. (Whole rows per lane beat
+        // coalesced 16-byte chunks per instruction, which cost a shuffle and address math per
+        // chunk, and one bulk copy per row: 0.177 / 0.29 / 0.28 ms for kv8 16 x 32k alone.)
+        // The next half-tile's pool rows are looked up before waiting for its slot, so the
+        // table loads overlap.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
-        if (warp == NCW) {
+        if (warp < NCW + PW) {
+            // lane copies whole rows, 16 bytes per cp.async: tokens lane + 32 * (pw + PW * j)
+            const int pw = warp - NCW;
+            constexpr int TPL = 2 / PW;  // tokens per lane and half-tile
             auto lookup = [&](int h, int i) -> int {
                 const int t = t0 + h * HT + i;
                 if (h >= nh || t >= t1) return -1;
@@ -289,7 +300,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 return b >= 0 ? b * bs + t % bs : -1;
             };
             auto issue = [&](unsigned char* sp, int row, int i) {
-                if (row < 0) return;
+                if (row < 0 || SKIPC) return;
                 const unsigned char* gl = l_codes + (size_t)row * LROW;
                 const u32 dl = smem_u32(sp + SLOT_L + i * LROW);
 #pragma unroll 4
@@ -301,16 +312,25 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 cp_async4(smem_u32(sp + SLOT_SL + 4 * i), l_scale + row);
                 cp_async4(smem_u32(sp + SLOT_SR + 4 * i), r_scale + row);
             };
-            int row0 = lookup(0, lane), row1 = lookup(0, lane + 32);
+            int rows[TPL];
+#pragma unroll
+            for (int j = 0; j < TPL; ++j) rows[j] = lookup(0, lane + 32 * (pw + PW * j));
             for (int h = 0; h < nh; ++h) {
                 const int slot = h % NSLOT;
                 if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
                 unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
-                issue(sp, row0, lane);
-                issue(sp, row1, lane + 32);
+                // full(slot) completes after 32 cp.async arrivals and one plain arrival per
+                // copying warp (its lane 0, after publishing its words of the valid-token mask)
+#pragma unroll
+                for (int j = 0; j < TPL; ++j) {
+                    const u32 m = __ballot_sync(0xffffffffu, rows[j] >= 0);
+                    if (lane == 0) ((u32*)(sp + SLOT_MK))[pw + PW * j] = m;
+                    issue(sp, rows[j], lane + 32 * (pw + PW * j));
+                }
                 cp_async_arrive(full(slot));
-                row0 = lookup(h + 1, lane);
-                row1 = lookup(h + 1, lane + 32);
+                if (lane == 0) mbar_arrive(full(slot));
+#pragma unroll
+                for (int j = 0; j < TPL; ++j) rows[j] = lookup(h + 1, lane + 32 * (pw + PW * j));
             }
             asm volatile("cp.async.wait_all;" ::: "memory");
         }
@@ -352,7 +372,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         fence_async_smem();
         bar_sync(1, 256);
     }
-    const u32 qt_addr = smem_u32(smem + SM_QT), pt_addr = smem_u32(smem + SM_PT);
+    const u32 pt_addr = smem_u32(smem + SM_PT);
+    const u64 qt_desc = make_desc(smem_u32(smem + SM_QT), NJ * 128, 128);
+    const u64 pt_desc = make_desc(pt_addr, NJ * 128, 128);
 
     float o[4][NJ * 4];
 #pragma unroll
@@ -366,6 +388,14 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     const int ta = 16 * wi + g, tb = ta + 8;  // this thread's S^T rows (tokens of a half-tile)
 
     for (int step = 0; 2 * step < nh; ++step) {
+        if (SKIPW & 4) {  // timing only: the copy pipeline alone (consumers just release)
+            for (int hs = 2 * step; hs < 2 * step + 2 && hs < nh; ++hs) {
+                mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(hs % NSLOT));
+            }
+            continue;
+        }
         const int hm = 2 * step + wgc;
         const bool have = hm < nh;
         float sacc[NJ * 4];
@@ -376,11 +406,11 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             // slot holds (finite codes) and every score is masked: no divergent wgmma.
             const int slot = hm % NSLOT;
             const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
-            const int tA = t0 + hm * HT + ta, tB = tA + 8;
             if (have) {
-                va = tA < t1 && table[tA / bs] >= 0;
-                vb = tB < t1 && table[tB / bs] >= 0;
                 mbar_wait(full(slot), (hm / NSLOT) & 1);
+                const u32 mk = *(const u32*)(sp + SLOT_MK + 4 * (ta >> 5));  // ta, tb: same word
+                va = (mk >> (ta & 31)) & 1u;
+                vb = (mk >> (tb & 31)) & 1u;
             }
             const float* ssl = (const float*)(sp + SLOT_SL);
             const float* ssr = (const float*)(sp + SLOT_SR);
@@ -388,98 +418,88 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             if (va) { sla = eff_scale(ssl[ta], (float)DL); sra = eff_scale(ssr[ta], (float)DR); }
             if (vb) { slb = eff_scale(ssl[tb], (float)DL); srb = eff_scale(ssr[tb], (float)DR); }
             float rho_a, fin_a, rho_b, fin_b;
-#if LFIRST
-            row_factors(sra, sla, rho_a, fin_a);
-            row_factors(srb, slb, rho_b, fin_b);
-#else
             row_factors(sla, sra, rho_a, fin_a);
             row_factors(slb, srb, rho_b, fin_b);
-#endif
-
-            // A operand of S^T k-step s (rows ta, tb)
-            auto load_s = [&](u32* a, int s) {
-                u32 wa, wb;
-                if (s < KS_L) {
+            // S^T as one chain of k-steps, SB per wgmma group: the rope part, then (once it
+            // is done) the rows rescaled to the L scale, then the latent part. The raw words
+            // of group gi + 1 are read before waiting for group gi - 1, so their latency
+            // overlaps the products. (A second accumulator for the rope part would avoid the
+            // rescale but needs 32 more registers: spills, and ptxas serialises every wgmma.)
+            static_assert(KS_L % SB == 0, "SB divides the latent k-steps");
+            auto raw_s = [&](u32* w, int s) {  // s: chain index (rope steps first)
+                if (s >= KS_R) {
+                    const int l = s - KS_R;
 #if TIER == 1
-                    wa = *(const u32*)(sp + SLOT_L + ta * LROW + ((s ^ g) << 4) + 4 * q);
-                    wb = *(const u32*)(sp + SLOT_L + tb * LROW + ((s ^ g) << 4) + 4 * q);
+                    const int u = l ^ g;
 #else
-                    wa = *(const u32*)(sp + SLOT_L + ta * LROW + (((s >> 1) ^ g) << 4) + 4 * q);
-                    wb = *(const u32*)(sp + SLOT_L + tb * LROW + (((s >> 1) ^ g) << 4) + 4 * q);
+                    const int u = (l >> 1) ^ g;
 #endif
+                    w[0] = *(const u32*)(sp + SLOT_L + ta * LROW + (u << 4) + 4 * q);
+                    w[1] = *(const u32*)(sp + SLOT_L + tb * LROW + (u << 4) + 4 * q);
                 } else {
 #if TIER == 1
-                    wa = *(const u32*)(sp + SLOT_R + ta * RSTR + ((s - KS_L) << 4) + 4 * q);
-                    wb = *(const u32*)(sp + SLOT_R + tb * RSTR + ((s - KS_L) << 4) + 4 * q);
+                    const int u = s;
 #else
-                    wa = *(const u32*)(sp + SLOT_R + ta * RSTR + (((s - KS_L) >> 1) << 4) + 4 * q);
-                    wb = *(const u32*)(sp + SLOT_R + tb * RSTR + (((s - KS_L) >> 1) << 4) + 4 * q);
+                    const int u = s >> 1;
 #endif
+                    w[0] = *(const u32*)(sp + SLOT_R + ta * RSTR + (u << 4) + 4 * q);
+                    w[1] = *(const u32*)(sp + SLOT_R + tb * RSTR + (u << 4) + 4 * q);
                 }
+            };
+            auto cvt_s = [&](u32* a, const u32* w, int s) {
 #if TIER == 1
-                a[0] = e4m3x2(wa & 0xFFFFu);
-                a[1] = e4m3x2(wb & 0xFFFFu);
-                a[2] = e4m3x2(wa >> 16);
-                a[3] = e4m3x2(wb >> 16);
+                (void)s;
+                a[0] = e4m3x2(w[0] & 0xFFFFu);
+                a[1] = e4m3x2(w[1] & 0xFFFFu);
+                a[2] = e4m3x2(w[0] >> 16);
+                a[3] = e4m3x2(w[1] >> 16);
 #else
-                const int sh = (s & 1) * 16;
-                a[0] = lutS[((wa >> sh) & 0xFFu) * 32 + lane];
-                a[1] = lutS[((wb >> sh) & 0xFFu) * 32 + lane];
-                a[2] = lutS[((wa >> (sh + 8)) & 0xFFu) * 32 + lane];
-                a[3] = lutS[((wb >> (sh + 8)) & 0xFFu) * 32 + lane];
+                const int sh = (s & 1) * 16;  // KS_R is even: the parity of s is the plane's
+                a[0] = lutS[((w[0] >> sh) & 0xFFu) * 32 + lane];
+                a[1] = lutS[((w[1] >> sh) & 0xFFu) * 32 + lane];
+                a[2] = lutS[((w[0] >> (sh + 8)) & 0xFFu) * 32 + lane];
+                a[3] = lutS[((w[1] >> (sh + 8)) & 0xFFu) * 32 + lane];
 #endif
             };
-            auto rows_scale = [&]() {
+            {
+                // rope part: one commit group, then the rows rescaled to the L scale
+                u32 wr[KS_R][2], a[KS_R][4];
 #pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    sacc[4 * j] *= rho_a; sacc[4 * j + 1] *= rho_a;
-                    sacc[4 * j + 2] *= rho_b; sacc[4 * j + 3] *= rho_b;
-                }
-            };
-            auto chain_r = [&](bool first) {
+                for (int k = 0; k < KS_R; ++k) raw_s(wr[k], k);
+                wg_fence();
 #pragma unroll
-                for (int s = 0; s < KS_R; ++s) {
-                    u32 a[4];
-                    load_s(a, KS_L + s);
-                    if (SKIPW & 1) { sacc[s & 7] += __int_as_float((a[0] ^ a[1] ^ a[2] ^ a[3]) & 0x3FFFu); continue; }
-                    wgmma_hn(sacc, a, make_desc(qt_addr + (KS_L + s) * 2 * NJ * 128, NJ * 128, 128),
-                             !first || s > 0);
+                for (int k = 0; k < KS_R; ++k) {
+                    cvt_s(a[k], wr[k], k);
+                    wgmma_hn(sacc, a[k], qt_desc, (KS_L + k) * 2 * NJ * 8, k > 0);
                 }
                 wg_commit();
-            };
-            auto chain_l = [&](bool first) {
+            }
+            u32 w[2][SB][2];
 #pragma unroll
-                for (int s0 = 0; s0 < KS_L; s0 += SB) {
-                    u32 a[SB][4];
+            for (int u = 0; u < SB; ++u) raw_s(w[0][u], KS_R + u);
+            wg_wait<0>();
 #pragma unroll
-                    for (int u = 0; u < SB; ++u) load_s(a[u], s0 + u);
-                    wg_fence();
+            for (int j = 0; j < NJ; ++j) {
+                sacc[4 * j] *= rho_a; sacc[4 * j + 1] *= rho_a;
+                sacc[4 * j + 2] *= rho_b; sacc[4 * j + 3] *= rho_b;
+            }
+            // latent part: SB steps per group
 #pragma unroll
-                    for (int u = 0; u < SB; ++u) {
-                        if (SKIPW & 1) { sacc[u] += __int_as_float((a[u][0] ^ a[u][1] ^ a[u][2] ^ a[u][3]) & 0x3FFFu); continue; }
-                        wgmma_hn(sacc, a[u], make_desc(qt_addr + (s0 + u) * 2 * NJ * 128, NJ * 128, 128),
-                                 !first || s0 + u > 0);
-                    }
-                    wg_commit();
-                    wg_wait<SW>();
+            for (int gi = 0; gi < KS_L / SB; ++gi) {
+                u32 a[SB][4];
+#pragma unroll
+                for (int u = 0; u < SB; ++u) cvt_s(a[u], w[gi & 1][u], KS_R + gi * SB + u);
+                if (gi + 1 < KS_L / SB) {
+#pragma unroll
+                    for (int u = 0; u < SB; ++u) raw_s(w[(gi + 1) & 1][u], KS_R + (gi + 1) * SB + u);
                 }
-            };
-#if LFIRST
-            // latent part first (overlapping the previous step's context products), then the
-            // rows rescaled to the R scale, then the rope part
-            chain_l(true);
-            wg_wait<0>();
-            rows_scale();
-            wg_fence();
-            chain_r(false);
-#else
-            // rope part first, then the rows rescaled to the L scale, then the latent part
-            wg_fence();
-            chain_r(true);
-            wg_wait<0>();
-            rows_scale();
-            chain_l(false);
-#endif
+                wg_fence();
+#pragma unroll
+                for (int u = 0; u < SB; ++u)
+                    wgmma_hn(sacc, a[u], qt_desc, (gi * SB + u) * 2 * NJ * 8, 1);
+                wg_commit();
+                wg_wait<SW>();
+            }
             wg_wait<0>();
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
@@ -576,23 +596,27 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         bar_sync(4, 256);
 
         // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            // a missing half-tile (odd count) has zero weights in P^T: no divergent wgmma
-            const int hs = 2 * step + (kk >> 2);
-            const int slot = hs % NSLOT;
-            if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(slot), (hs / NSLOT) & 1);
-            const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES + SLOT_L;
-            const int tt = 16 * (kk & 3) + 2 * q;
-            u32 a[4][4];
+        // 8 groups of 16 tokens; group kk + 1's raw words are read before waiting for group
+        // kk - 1. A missing half-tile (odd count) has zero weights in P^T: no divergent wgmma.
 #if TIER == 1
-            const int c = 16 * wgc + 4 * wi + (g >> 1), off = (g & 1) * 8;
-            uint2 X[4];
+        typedef uint2 OW;
+        const int oc = 16 * wgc + 4 * wi + (g >> 1), ooff = (g & 1) * 8;
+#else
+        typedef u32 OW;
+        const int oc = 8 * wgc + 2 * wi + (g >> 2), ooff = (g & 3) * 4;
+#endif
+        auto raw_o = [&](OW* X, int kk) {
+            const int hs = 2 * step + (kk >> 2);
+            if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
+            const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES + SLOT_L;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int t = tt + (i & 1) + (i >> 1) * 8;
-                X[i] = *(const uint2*)(sp + t * LROW + ((c ^ (t & 7)) << 4) + off);
+                const int t = 16 * (kk & 3) + 2 * q + (i & 1) + (i >> 1) * 8;
+                X[i] = *(const OW*)(sp + t * LROW + ((oc ^ (t & 7)) << 4) + ooff);
             }
+        };
+        auto cvt_o = [&](u32 (*a)[4], const OW* X) {
+#if TIER == 1
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
                 const int b = 2 * (mt & 1);
@@ -605,17 +629,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 a[mt][3] = e4m3x2(p23 >> 16);
             }
 #else
-            const int c = 8 * wgc + 2 * wi + (g >> 2), off = (g & 3) * 4;
-            u32 W[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int t = tt + (i & 1) + (i >> 1) * 8;
-                W[i] = *(const u32*)(sp + t * LROW + ((c ^ (t & 7)) << 4) + off);
-            }
-            const u32 ev01 = (W[0] & 0x0F0F0F0Fu) | ((W[1] << 4) & 0xF0F0F0F0u);
-            const u32 od01 = ((W[0] >> 4) & 0x0F0F0F0Fu) | (W[1] & 0xF0F0F0F0u);
-            const u32 ev23 = (W[2] & 0x0F0F0F0Fu) | ((W[3] << 4) & 0xF0F0F0F0u);
-            const u32 od23 = ((W[2] >> 4) & 0x0F0F0F0Fu) | (W[3] & 0xF0F0F0F0u);
+            const u32 ev01 = (X[0] & 0x0F0F0F0Fu) | ((X[1] << 4) & 0xF0F0F0F0u);
+            const u32 od01 = ((X[0] >> 4) & 0x0F0F0F0Fu) | (X[1] & 0xF0F0F0F0u);
+            const u32 ev23 = (X[2] & 0x0F0F0F0Fu) | ((X[3] << 4) & 0xF0F0F0F0u);
+            const u32 od23 = ((X[2] >> 4) & 0x0F0F0F0Fu) | (X[3] & 0xF0F0F0F0u);
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
                 a[mt][0] = lutS[((ev01 >> (8 * mt)) & 0xFFu) * 32 + lane];
@@ -624,18 +641,24 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 a[mt][3] = lutS[((od23 >> (8 * mt)) & 0xFFu) * 32 + lane];
             }
 #endif
+        };
+        OW X[2][4];
+        raw_o(X[0], 0);
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            u32 a[4][4];
+            cvt_o(a, X[kk & 1]);
+            const int hs = 2 * step + (kk >> 2);
+            if ((kk & 3) == 3 && hs < nh) {  // every read of this half-tile is done
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty(hs % NSLOT));
+            }
+            if (kk + 1 < 8) raw_o(X[(kk + 1) & 1], kk + 1);
             wg_fence();
 #pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
-                if (SKIPW & 2) { o[mt][kk] += __int_as_float((a[mt][0] ^ a[mt][1] ^ a[mt][2] ^ a[mt][3]) & 0x3FFFu); continue; }
-                wgmma_hn(o[mt], a[mt], make_desc(pt_addr + kk * 2 * NJ * 128, NJ * 128, 128), 1);
-            }
+            for (int mt = 0; mt < 4; ++mt) wgmma_hn(o[mt], a[mt], pt_desc, kk * 2 * NJ * 8, 1);
             wg_commit();
             wg_wait<1>();
-            if ((kk & 3) == 3 && hs < nh) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty(slot));
-            }
         }
     }
     wg_wait<0>();

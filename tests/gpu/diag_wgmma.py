@@ -3,8 +3,9 @@ reference and against attention.cu, per variant, printing errors instead of asse
 
     python3 tests/gpu/diag_wgmma.py            # shared memory check + error matrix
     python3 tests/gpu/diag_wgmma.py --log      # also the compiler log (ptxas -v)
-    python3 tests/gpu/diag_wgmma.py --tune "SB=2,SW=1" "SB=2,SW=3,LFIRST=1" ...
+    python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
+                                   # (SKIPC=1: consumers alone, SKIPW=4: copies alone)
 
 Variants come from the environment the kernel reads: KVFLEET_CUDA_KV8_CVT (1 hardware
 conversion, 0 bit moves) and KVFLEET_CUDA_WG_TUNING (extra defines, e.g. "SKIPW=3").

@@ -173,6 +173,20 @@ def test_wgmma_shared_memory_matches_python():
                 "MaxSharedMemoryPerBlockOptin"]
 
 
+def test_wgmma_kernel_is_not_serialized():
+    """ptxas serialises every wgmma of the kernel (info C7514) when it cannot prove that no
+    other instruction reads an accumulator in flight; it still compiles and stays correct,
+    but ran 30% slower at 64 heads before this was caught."""
+    if not _hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    from kernels.cuda._build import arch_log
+    for tier in ("kv8", "tq4"):
+        for H in (16, 32, 64):
+            shape, _ = gpu._wg_shape(get_tier(tier), H, DL, DR, BS)
+            log = arch_log("attention_sm90.cu", "sm_90a", **shape.defines)
+            assert "C7514" not in log, (tier, H, log)
+
+
 def test_kernel_path_choices():
     assert gpu.kernel_path("f32", 64, DL, DR) == "mma"
     assert gpu.kernel_path("polar3", 64, DL, DR) == "cpu"
