@@ -17,7 +17,10 @@ the queries (per head scaled to max |q| = 1) and the softmax weights.
 
 On Hopper (compute capability 9.0) kv8 and tq4 take attention_sm90.cu's attn_wg instead of
 attn_split (warpgroup MMA, the codes converted in registers; `kernel_path()` says which
-runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu). Same qprep / combine, same precision. It
+runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu; its copies go through the TMA with tensor
+maps from tma_maps(), or cp.async for kv8 at 64 heads, block sizes not divisible by 8 and
+planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Same qprep / combine, same
+precision. It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cupy as cp
 import numpy as np
@@ -116,6 +119,7 @@ def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0,
 WG_ENV = "KVFLEET_CUDA_WGMMA"  # "0": never the sm_90a kernel (comparisons, other GPUs)
 _WG_TIER = {"fp8": 1, "tq": 2}
 WG_THREADS = 384  # attention_sm90.cu NTHREADS: two consumer warpgroups + the producer's
+TMA_ENV = "KVFLEET_CUDA_TMA"  # "0": the sm_90a kernel copies with cp.async instead of the TMA
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,14 @@ class WgShape:
     dr: int
     nslot: int  # 64-token raw half-tiles in flight
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
+    tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
     tuning: tuple = ()  # extra (name, value) defines: SB, SW, PW, SKIPW (timing only;
                         # from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1")
 
     @property
     def defines(self) -> dict:
         return dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                    CVT=self.cvt, **dict(self.tuning))
+                    CVT=self.cvt, TMA=self.tma, **dict(self.tuning))
 
     def shared_bytes(self) -> int:
         """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
@@ -141,6 +146,9 @@ class WgShape:
         lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
         head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
         lut = 256 * 32 * 4 if self.tier_id == 2 else 0
+        if self.tma:  # unpadded R rows; slots and the ring start 1024-byte aligned
+            slot = -(-(64 * lrow + 64 * rrow + 2 * 64 * 4 + 16) // 1024) * 1024
+            return -(-(head + lut) // 1024) * 1024 + self.nslot * slot
         slot = 64 * lrow + 64 * (rrow + 16) + 2 * 64 * 4 + 16  # + the valid-token mask
         return head + lut + self.nslot * slot
 
@@ -170,8 +178,14 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
     hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
     tuning = _tuning(os.environ.get("KVFLEET_CUDA_WG_TUNING", ""))
+    rrow = dr if tier.kind == "fp8" else dr // 2
+    # The TMA copies (whole blocks) beat cp.async except for kv8 at 64 heads, where that
+    # variant spills more (H200, 16 x 32k, ms: kv8 64h 0.245 vs 0.233, 16h 0.129 vs 0.163;
+    # tq4 64h 0.246 vs 0.259, 16h 0.167 vs 0.187).
+    tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128)
+              and not (tier.kind == "fp8" and hn == 64))
     for nslot in (6, 5, 4, 3):
-        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tuning)
+        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, tuning)
         if shape.shared_bytes() <= limit:
             return shape, -(-n_heads // hn)
     return None
@@ -312,6 +326,53 @@ def _wg_kernel(shape: WgShape, device: int) -> _WgKernel:
     return _WgKernel(shape)
 
 
+def _encode_tensor_map(ptr: int, rows: int, row_bytes: int, box_rows: int, box_bytes: int,
+                       swizzle: int) -> bytes:
+    """A CUtensorMap (128 bytes) over a [rows, row_bytes] uint8 plane at device address ptr,
+    boxes of box_rows x box_bytes, swizzle 1 / 2 / 3 = 32 / 64 / 128 bytes (the driver's
+    cuTensorMapEncodeTiled)."""
+    import ctypes
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    raw = ctypes.create_string_buffer(128 + 64)
+    at = -(-ctypes.addressof(raw) // 64) * 64  # the map is 64-byte aligned
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    err = fn(ctypes.c_void_p(at), 0, 2, ctypes.c_void_p(ptr),  # UINT8, rank 2
+             (u64 * 2)(row_bytes, rows), (u64 * 1)(row_bytes), (u32 * 2)(box_bytes, box_rows),
+             (u32 * 2)(1, 1), 0, swizzle, 2, 0)  # no interleave, L2 promotion 128 B, no OOB fill
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a {rows} x {row_bytes} "
+                           f"plane, box {box_rows} x {box_bytes}, swizzle {swizzle}")
+    return ctypes.string_at(at, 128)
+
+
+@functools.lru_cache(maxsize=64)
+def _tma_maps_at(l_ptr: int, r_ptr: int, rows: int, lrow: int, rrow: int, bs: int,
+                 device: int) -> cp.ndarray:
+    swz = {32: 1, 64: 2, 128: 3}
+    maps = _encode_tensor_map(l_ptr, rows, lrow, bs, 128, 3) + \
+        _encode_tensor_map(r_ptr, rows, rrow, bs, rrow, swz[rrow])
+    return cp.asarray(np.frombuffer(maps, np.uint8))
+
+
+def tma_maps(planes) -> cp.ndarray:
+    """Device copy of the tensor maps attn_wg's TMA path reads (L codes as bs x 128-byte
+    boxes, R codes as bs-row boxes), cached per plane address and shape."""
+    nblk, bs, lrow = planes.l_codes.shape
+    return _tma_maps_at(planes.l_codes.data.ptr, planes.r_codes.data.ptr, nblk * bs, lrow,
+                        planes.r_codes.shape[2], bs, cp.cuda.Device().id)
+
+
+def _without_tma(shape: WgShape) -> WgShape:
+    """The cp.async variant of a TMA shape, with as many slots as still fit."""
+    limit = _device_info(cp.cuda.Device().id)[2]
+    for nslot in range(shape.nslot, 2, -1):
+        out = replace(shape, tma=0, nslot=nslot)
+        if out.shared_bytes() <= limit:
+            return out
+    raise RuntimeError(f"no cp.async variant of {shape} fits {limit} bytes of shared memory")
+
+
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
                scale: float, out: cp.ndarray) -> None:
     N, H, dl = q_lat.shape
@@ -327,12 +388,16 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
     o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
     ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
     if W:
+        lut = _tq_lut(cp.cuda.Device().id)
+        if shape.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
+                                                       planes.l_scale, planes.r_scale)):
+            shape = _without_tma(shape)  # the TMA needs 16-byte aligned planes
+        maps = tma_maps(planes) if shape.tma else lut  # (unused without the TMA)
         wg = _wg_kernel(shape, cp.cuda.Device().id)
         nb, bs = tables.shape[1], planes.l_scale.shape[1]
         wg.fn((W, groups), (WG_THREADS,), (qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes,
                                     planes.r_scale, tables, np.int32(nb), np.int32(bs),
-                                    plan.work, _tq_lut(cp.cuda.Device().id), o_part, ml_part,
-                                    np.int32(hpad)),
+                                    plan.work, lut, maps, o_part, ml_part, np.int32(hpad)),
               shared_mem=wg.smem)
     ks.combine((N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
 

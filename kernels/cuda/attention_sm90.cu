@@ -22,10 +22,11 @@
 // CTA = one work item (query, table row, tokens [t0, t1)) x one group of HN heads; 384
 // threads: warps 0-3 and 4-7 are two consumer warpgroups, warp 8 the producer (warps 8-11
 // hand most of their registers to the consumers: setmaxnreg). The producer
-// copies each 64-token half-tile of raw rows into a ring of NSLOT slots with cp.async
-// (16-byte chunks, XOR-swizzled by token so that both read patterns are bank-conflict free),
-// writes the half-tile's valid-token mask beside it and signals an mbarrier; consumers
-// release a slot through another mbarrier once every warp has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
+// copies each 64-token half-tile of raw rows into a ring of NSLOT slots, XOR-swizzled by
+// token so that both read patterns are bank-conflict free: with TMA=1 whole pool blocks as
+// tensor-map boxes (the hardware swizzle), with TMA=0 16-byte cp.async chunks per lane and
+// token. It writes the half-tile's valid-token mask beside it and signals an mbarrier;
+// consumers release a slot through another mbarrier once every warp has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
 // 2*step + c (64 tokens x HN heads), both exchange the softmax numerators through P^T in
 // shared memory, and each accumulates O^T for its 256 latent dims over all 128 tokens.
 //
@@ -81,7 +82,16 @@
 #define LROW (DL / 2)
 #define RROW (DR / 2)
 #endif
+#ifndef TMA
+#define TMA 1                // 1: the tensor-memory-accelerator copies whole blocks (needs 16-byte
+#endif                       // aligned planes, bs % 8 == 0, RROW 32 / 64 / 128); 0: cp.async per lane
+#if TMA
+#define RSTR RROW            // R rows unpadded, TMA 32/64/128-byte swizzle (= RROW)
+#define ALIGN1K(x) (((x) + 1023) / 1024 * 1024)
+#else
 #define RSTR (RROW + 16)     // padded R row: 80 (kv8) / 48 (tq4) bytes, conflict-free
+#define ALIGN1K(x) (x)
+#endif
 #define LCH (LROW / 16)
 #define RCH (RROW / 16)
 
@@ -100,13 +110,13 @@
 #else
 #define LUT_BYTES 0
 #endif
-#define SM_SLOT (SM_LUT + LUT_BYTES)
+#define SM_SLOT ALIGN1K(SM_LUT + LUT_BYTES)      // TMA swizzle atoms: 1024-byte aligned
 #define SLOT_L 0
 #define SLOT_R (HT * LROW)
 #define SLOT_SL (SLOT_R + HT * RSTR)
 #define SLOT_SR (SLOT_SL + HT * 4)
 #define SLOT_MK (SLOT_SR + HT * 4)              // valid-token mask (u64, producer-written)
-#define SLOT_BYTES (SLOT_MK + 16)
+#define SLOT_BYTES ALIGN1K(SLOT_MK + 16)
 #define SM_TOTAL (SM_SLOT + NSLOT * SLOT_BYTES)
 
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * NTHREADS,
@@ -151,6 +161,21 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+// TMA: a box of a 2-D tensor map (generic address of the map in global memory) at
+// coordinates (c0 = byte column, c1 = row); a 1-D bulk copy; both complete as transaction
+// bytes on mbarrier `bar`.
+__device__ __forceinline__ void tma_2d(u32 dst, u64 map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                 :: "r"(a), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -249,6 +274,25 @@ __device__ __forceinline__ float eff_scale(float raw, float n) {
 #endif
 }
 
+// Byte offset of 16-byte unit u of token t's L row / R row within a slot's L / R region.
+// cp.async (TMA=0): L rows contiguous with u's low 3 bits XORed by t & 7; R rows padded.
+// TMA: L as [LROW / 128 column blocks][HT tokens][128 B] and R rows unpadded, both in the
+// hardware swizzle (unit bits XORed by bits 7.. of the row's address; slots 1024-aligned).
+__device__ __forceinline__ int l_off(int t, int u) {
+#if TMA
+    return (u >> 3) * (HT * 128) + t * 128 + (((u & 7) ^ (t & 7)) << 4);
+#else
+    return t * LROW + ((u ^ (t & 7)) << 4);
+#endif
+}
+__device__ __forceinline__ int r_off(int t, int u) {
+#if TMA
+    return t * RROW + ((u ^ (((t * RROW) >> 7) & (RROW / 16 - 1))) << 4);
+#else
+    return t * RSTR + (u << 4);
+#endif
+}
+
 extern "C" __global__ void attn_wg_smem(int* out) { out[0] = SM_TOTAL; }
 
 // grid (W, Hpad / HN), block NTHREADS, dynamic shared memory SM_TOTAL. qh [N, Hpad, DK] f16
@@ -259,7 +303,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         const unsigned char* __restrict__ l_codes, const float* __restrict__ l_scale,
         const unsigned char* __restrict__ r_codes, const float* __restrict__ r_scale,
         const int* __restrict__ tables, int nb, int bs, const int* __restrict__ work,
-        const u32* __restrict__ lut, float* __restrict__ o_part,
+        const u32* __restrict__ lut, const unsigned char* __restrict__ tmaps,
+        float* __restrict__ o_part,
         float* __restrict__ ml_part, int Hpad) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31;
@@ -273,12 +318,14 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     auto full = [&](int s) { return bar0 + 8u * s; };
     auto empty = [&](int s) { return bar0 + 8u * (NSLOT + s); };
     if (tid == 0) {
-        for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), 33 * PW); mbar_init(empty(s), NCW); }
+        for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), TMA ? 1 : 33 * PW); mbar_init(empty(s), NCW); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // Zero the ring: a token that is never copied (past t1, no block) then reads as zeros or
     // as an earlier real row, never as NaN codes.
     for (int u = tid; u < NSLOT * SLOT_BYTES / 16; u += NTHREADS)
         ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
+    fence_async_smem();  // the zeros before any TMA write
     __syncthreads();
 
     if (warp >= NCW) {
@@ -289,6 +336,52 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // The next half-tile's pool rows are looked up before waiting for its slot, so the
         // table loads overlap.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
+#if TMA
+        // Lane k copies block k of each half-tile (64 / bs blocks): the L rows as LROW / 128
+        // boxes of bs x 128 bytes and the R rows as one box (tensor maps at tmaps, 128 bytes
+        // each), the scales as two 1-D bulk copies. Lane 0 publishes the valid-token mask
+        // and arms full(slot) with the half-tile's byte count before any copy is issued.
+        if (warp == NCW) {
+            const u64 map_l = (u64)tmaps, map_r = map_l + 128;
+            if (lane == 0) {
+                if (smem_u32(smem) & 1023u) __trap();  // the swizzle assumes 1024-byte slots
+                asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(map_l) : "memory");
+                asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(map_r) : "memory");
+            }
+            __syncwarp();
+            const int nbk = HT / bs;
+            auto block_of = [&](int h, int k) -> int {
+                const int t = t0 + h * HT + k * bs;
+                return h < nh && k < nbk && t < t1 ? table[t / bs] : -1;
+            };
+            int blk = block_of(0, lane);
+            for (int h = 0; h < nh; ++h) {
+                const int slot = h % NSLOT;
+                if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
+                unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
+                const int ti = t0 + h * HT + lane;
+                const bool v0 = __shfl_sync(0xffffffffu, blk, lane / bs) >= 0 && ti < t1;
+                const bool v1 = __shfl_sync(0xffffffffu, blk, (lane + 32) / bs) >= 0 && ti + 32 < t1;
+                const u32 m0 = __ballot_sync(0xffffffffu, v0), m1 = __ballot_sync(0xffffffffu, v1);
+                const u32 nblk = __popc(__ballot_sync(0xffffffffu, blk >= 0));
+                if (lane == 0) {
+                    *(uint2*)(sp + SLOT_MK) = make_uint2(m0, m1);
+                    mbar_arrive_tx(full(slot), SKIPC ? 0u : nblk * (u32)bs * (LROW + RROW + 8));
+                }
+                __syncwarp();
+                if (blk >= 0 && !SKIPC) {
+                    const int row = blk * bs;
+#pragma unroll
+                    for (int cb = 0; cb < LROW / 128; ++cb)
+                        tma_2d(smem_u32(sp + SLOT_L + cb * (HT * 128) + lane * bs * 128), map_l, cb * 128, row, full(slot));
+                    tma_2d(smem_u32(sp + SLOT_R + lane * bs * RROW), map_r, 0, row, full(slot));
+                    bulk_copy(smem_u32(sp + SLOT_SL + lane * bs * 4), l_scale + row, bs * 4, full(slot));
+                    bulk_copy(smem_u32(sp + SLOT_SR + lane * bs * 4), r_scale + row, bs * 4, full(slot));
+                }
+                blk = block_of(h + 1, lane);
+            }
+        }
+#else
         if (warp < NCW + PW) {
             // lane copies whole rows, 16 bytes per cp.async: tokens lane + 32 * (pw + PW * j)
             const int pw = warp - NCW;
@@ -334,6 +427,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
             asm volatile("cp.async.wait_all;" ::: "memory");
         }
+#endif
     } else {
     // ---------------- consumers ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGS));
@@ -430,20 +524,26 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 if (s >= KS_R) {
                     const int l = s - KS_R;
 #if TIER == 1
-                    const int u = l ^ g;
+                    const int u = l;
 #else
-                    const int u = (l >> 1) ^ g;
+                    const int u = l >> 1;
 #endif
-                    w[0] = *(const u32*)(sp + SLOT_L + ta * LROW + (u << 4) + 4 * q);
-                    w[1] = *(const u32*)(sp + SLOT_L + tb * LROW + (u << 4) + 4 * q);
+#if TMA  // l_off(ta / tb, u) with ta, tb = g mod 8, spelled out (ptxas spills less)
+                    const int o = (u >> 3) * (HT * 128) + (((u & 7) ^ g) << 4) + 4 * q;
+                    w[0] = *(const u32*)(sp + SLOT_L + ta * 128 + o);
+                    w[1] = *(const u32*)(sp + SLOT_L + tb * 128 + o);
+#else
+                    w[0] = *(const u32*)(sp + SLOT_L + ta * LROW + ((u ^ g) << 4) + 4 * q);
+                    w[1] = *(const u32*)(sp + SLOT_L + tb * LROW + ((u ^ g) << 4) + 4 * q);
+#endif
                 } else {
 #if TIER == 1
                     const int u = s;
 #else
                     const int u = s >> 1;
 #endif
-                    w[0] = *(const u32*)(sp + SLOT_R + ta * RSTR + (u << 4) + 4 * q);
-                    w[1] = *(const u32*)(sp + SLOT_R + tb * RSTR + (u << 4) + 4 * q);
+                    w[0] = *(const u32*)(sp + SLOT_R + r_off(ta, u) + 4 * q);
+                    w[1] = *(const u32*)(sp + SLOT_R + r_off(tb, u) + 4 * q);
                 }
             };
             auto cvt_s = [&](u32* a, const u32* w, int s) {
@@ -609,10 +709,18 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             const int hs = 2 * step + (kk >> 2);
             if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
             const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES + SLOT_L;
+#if TMA && TIER == 1
+            // whole blocks are copied, so tokens past t1 hold whatever the pool has there: kv8
+            // NaN codes would meet their zero weights. Zero them (tq4 codes are all finite).
+            const u32 mk = *(const u32*)(sp - SLOT_L + SLOT_MK + 4 * ((kk & 3) >> 1));
+#endif
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int t = 16 * (kk & 3) + 2 * q + (i & 1) + (i >> 1) * 8;
-                X[i] = *(const OW*)(sp + t * LROW + ((oc ^ (t & 7)) << 4) + ooff);
+                X[i] = *(const OW*)(sp + l_off(t, oc) + ooff);
+#if TMA && TIER == 1
+                if (!((mk >> (t & 31)) & 1u)) X[i] = OW{};
+#endif
             }
         };
         auto cvt_o = [&](u32 (*a)[4], const OW* X) {

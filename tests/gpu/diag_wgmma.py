@@ -57,7 +57,10 @@ def tune(variants: list[str]) -> None:
             for v in variants:
                 for cvt in (os.environ.get("TUNE_CVT", "1,0").split(",") if tier_name == "kv8"
                             else ("1",)):
-                    os.environ["KVFLEET_CUDA_WG_TUNING"] = v
+                    defs = [x for x in v.split(",") if x and not x.startswith("TMA=")]
+                    tma = [x[4:] for x in v.split(",") if x.startswith("TMA=")]
+                    os.environ[gpu.TMA_ENV] = tma[-1] if tma else "1"
+                    os.environ["KVFLEET_CUDA_WG_TUNING"] = ",".join(defs)
                     os.environ["KVFLEET_CUDA_KV8_CVT"] = cvt
                     err = max(errors(tier_name, H, seed=3))
                     fn = lambda: gpu.paged_mla_decode(  # noqa: E731
@@ -69,6 +72,7 @@ def tune(variants: list[str]) -> None:
         cp.get_default_memory_pool().free_all_blocks()
     os.environ.pop("KVFLEET_CUDA_WG_TUNING", None)
     os.environ.pop("KVFLEET_CUDA_KV8_CVT", None)
+    os.environ.pop(gpu.TMA_ENV, None)
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 tier with a kernel: NaN / 0x7E / huge-radius garbage in every unused pool position,
 shuffled block tables, ragged lengths, several queries per slot, a padding query, inert
 rows, 4 / 16 / 64 / 128 heads, one split or many."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -157,15 +159,49 @@ def test_wgmma_and_mma_kernels_agree(tier, H, monkeypatch):
     assert err.max() < 3e-3, err
 
 
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+def test_tma_and_cp_async_copies_agree(tier, monkeypatch):
+    """attn_wg's two copy paths (TMA boxes of whole blocks into swizzled slots, cp.async per
+    lane) give bit-identical contexts: only where the bytes sit differs. A plane that is not
+    16-byte aligned takes the cp.async path (and still agrees)."""
+    if not _hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    rng = np.random.default_rng(5)
+    t, planes, tables = make_pool(tier, rng)
+    rows, positions = np.array([1, 4, 4, 3, 0]), np.array([16, 2599, 1999, 1099, 0])
+    q_lat = cp.asarray(rng.standard_normal((5, 32, DL)).astype(np.float32))
+    q_rope = cp.asarray(rng.standard_normal((5, 32, DR)).astype(np.float32))
+    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+    tab = cp.asarray(tables)
+    plan = gpu.decode_plan(rows, positions)
+    assert gpu._wg_shape(t, 32, DL, DR, BS)[0].tma == 1
+    via_tma = gpu.paged_mla_decode(t, dev, tab, plan, q_lat, q_rope, SCALE).get()
+    assert np.isfinite(via_tma).all()
+    buf = cp.empty(dev.l_scale.size + 1, cp.float32)
+    shifted = buf[1:].reshape(dev.l_scale.shape)  # 4 bytes past an aligned start
+    shifted[...] = dev.l_scale
+    assert shifted.data.ptr % 16 == 4
+    odd = gpu.paged_mla_decode(t, LayerPlanes(dev.l_codes, shifted, dev.r_codes, dev.r_scale),
+                               tab, plan, q_lat, q_rope, SCALE).get()
+    monkeypatch.setenv(gpu.TMA_ENV, "0")
+    assert gpu._wg_shape(t, 32, DL, DR, BS)[0].tma == 0
+    via_cp = gpu.paged_mla_decode(t, dev, tab, plan, q_lat, q_rope, SCALE).get()
+    assert np.array_equal(via_tma, via_cp)
+    assert np.array_equal(odd, via_cp)
+
+
 def test_wgmma_shared_memory_matches_python():
     """WgShape.shared_bytes() (which sizes the launch) equals the kernel's SM_TOTAL."""
     if not _hopper():
         pytest.skip("the wgmma kernel needs an sm_90 GPU")
     from kernels.cuda._build import arch_kernel
     for tier in ("kv8", "tq4"):
-        for H in (16, 32, 64):
+        for H, tma in ((16, 1), (32, 1), (64, 1), (16, 0), (64, 0)):
             shape, groups = gpu._wg_shape(get_tier(tier), H, DL, DR, BS)
             assert groups == 1 and shape.nslot >= 3
+            assert shape.tma == (0 if (tier, H) == ("kv8", 64) else 1)
+            shape = replace(shape, tma=1) if tma else gpu._without_tma(shape)
             fn = arch_kernel("attention_sm90.cu", "attn_wg_smem", "sm_90a", **shape.defines)
             out = cp.zeros(1, cp.int32)
             fn((1,), (1,), (out,))
