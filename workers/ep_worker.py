@@ -65,8 +65,10 @@ class ShardedWorker(Worker):
     def info(self) -> dict:
         import ray
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        # model: the class that runs (CudaModel, MLXModel, or Model where a cuda worker fell
+        # back to numpy), so a fallback shows in the group's info, not only in a log line
         return dict(super().info(), device=self.kind, rank=self.rank, node_id=node,
-                    experts=self.experts.shard.count())
+                    experts=self.experts.shard.count(), model=type(self.model).__name__)
 
     def connect(self, peers: dict[int, Any], transport: str = "ray") -> None:
         """Peers by rank: Ray actor handles (transport "ray") or workers in this process
