@@ -18,8 +18,8 @@ the queries (per head scaled to max |q| = 1) and the softmax weights.
 On Hopper (compute capability 9.0) kv8 and tq4 take attention_sm90.cu's attn_wg instead of
 attn_split (warpgroup MMA, the codes converted in registers; `kernel_path()` says which
 runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu; its copies go through the TMA with tensor
-maps from tma_maps(), or cp.async for kv8 at 64 heads, block sizes not divisible by 8 and
-planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Same qprep / combine, same
+maps from tma_maps(), or cp.async for block sizes not divisible by 8 and planes not
+16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Same qprep / combine, same
 precision. It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
@@ -179,11 +179,9 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
     tuning = _tuning(os.environ.get("KVFLEET_CUDA_WG_TUNING", ""))
     rrow = dr if tier.kind == "fp8" else dr // 2
-    # The TMA copies (whole blocks) beat cp.async except for kv8 at 64 heads, where that
-    # variant spills more (H200, 16 x 32k, ms: kv8 64h 0.245 vs 0.233, 16h 0.129 vs 0.163;
-    # tq4 64h 0.246 vs 0.259, 16h 0.167 vs 0.187).
-    tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128)
-              and not (tier.kind == "fp8" and hn == 64))
+    # The TMA copies (whole blocks) beat cp.async everywhere (H200, 16 x 32k, ms: kv8 64h
+    # 0.212 vs 0.234, 16h 0.134 vs 0.163; tq4 64h 0.247 vs 0.259, 16h 0.169 vs 0.184).
+    tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128))
     for nslot in (6, 5, 4, 3):
         shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, tuning)
         if shape.shared_bytes() <= limit:

@@ -492,6 +492,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         }
         const int hm = 2 * step + wgc;
         const bool have = hm < nh;
+        // g << 4 through an opaque move each step: otherwise ptxas hoists the 8-16 swizzled
+        // offsets of the latent reads out of the step loop and spills them (tq4, 64 heads)
+        int gx;
+        asm volatile("mov.b32 %0, %1;" : "=r"(gx) : "r"(g << 4));
         float sacc[NJ * 4];
         bool va = false, vb = false;
         float sla = 0.0f, slb = 0.0f;
@@ -528,13 +532,13 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 #else
                     const int u = l >> 1;
 #endif
-#if TMA  // l_off(ta / tb, u) with ta, tb = g mod 8, spelled out (ptxas spills less)
-                    const int o = (u >> 3) * (HT * 128) + (((u & 7) ^ g) << 4) + 4 * q;
+#if TMA  // l_off(ta / tb, u) with ta, tb = g mod 8, spelled out
+                    const int o = (u >> 3) * (HT * 128) + (((u & 7) << 4) ^ gx) + 4 * q;
                     w[0] = *(const u32*)(sp + SLOT_L + ta * 128 + o);
                     w[1] = *(const u32*)(sp + SLOT_L + tb * 128 + o);
 #else
-                    w[0] = *(const u32*)(sp + SLOT_L + ta * LROW + ((u ^ g) << 4) + 4 * q);
-                    w[1] = *(const u32*)(sp + SLOT_L + tb * LROW + ((u ^ g) << 4) + 4 * q);
+                    w[0] = *(const u32*)(sp + SLOT_L + ta * LROW + ((u << 4) ^ gx) + 4 * q);
+                    w[1] = *(const u32*)(sp + SLOT_L + tb * LROW + ((u << 4) ^ gx) + 4 * q);
 #endif
                 } else {
 #if TIER == 1

@@ -200,7 +200,7 @@ def test_wgmma_shared_memory_matches_python():
         for H, tma in ((16, 1), (32, 1), (64, 1), (16, 0), (64, 0)):
             shape, groups = gpu._wg_shape(get_tier(tier), H, DL, DR, BS)
             assert groups == 1 and shape.nslot >= 3
-            assert shape.tma == (0 if (tier, H) == ("kv8", 64) else 1)
+            assert shape.tma == 1
             shape = replace(shape, tma=1) if tma else gpu._without_tma(shape)
             fn = arch_kernel("attention_sm90.cu", "attn_wg_smem", "sm_90a", **shape.defines)
             out = cp.zeros(1, cp.int32)

@@ -1,0 +1,98 @@
+"""Compile kernels/cuda/attention_sm90.cu for sm_90a on a machine without a GPU and report,
+per shipped shape, what decides its speed before any device time is spent: spill bytes,
+whether ptxas serialised the wgmmas (info C7514, or a wait for completion after every HGMMA
+in the SASS) and the number of local-memory loads inside the main loop.
+
+Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
+from other CUDA versions, so check with the same one) and cuobjdump:
+
+    pip download --no-deps nvidia-cuda-nvrtc-cu12 nvidia-cuda-cuobjdump -d /tmp/cu
+    (cd /tmp/cu && for w in *.whl; do python3 -m zipfile -e "$w" x; done)
+    python3 scripts/sm90_compile_check.py --nvrtc /tmp/cu/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \
+        --cuobjdump /tmp/cu/x/nvidia/cu13/bin/cuobjdump [EXTRA=1 ...]
+
+Extra NAME=VALUE arguments are added to every shape's defines (e.g. TMA=0, SB=4).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "attention_sm90.cu"
+
+
+def shapes() -> list[dict]:
+    """The defines attention._wg_shape picks for GLM-5 widths (512 / 64), block size 16."""
+    out = []
+    for tier in (1, 2):
+        for hn in (16, 32, 64):
+            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=3, CVT=1, TMA=1))
+    return out
+
+
+def compile_cubin(lib, src: str, defines: dict) -> tuple[bytes, str]:
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"attention_sm90.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [b"--std=c++17", b"--gpu-architecture=sm_90a", b"--ptxas-options=-v"]
+    opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    if rc:
+        raise RuntimeError(f"NVRTC failed for {defines}:\n{log.value.decode()}")
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetCUBIN(prog, cubin)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return cubin.raw, log.value.decode()
+
+
+def report(sass: str, log: str) -> str:
+    ops = [ln.split("*/", 1)[1].strip().split(" ;")[0] for ln in sass.splitlines()
+           if re.match(r"^\s+/\*[0-9a-f]{4}\*/", ln)]
+    hg = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
+    loop = ops[hg[0]:hg[-1] + 1] if hg else []
+    full_waits = sum("DEPBAR.LE gsb0, 0x0" in op for op in ops)
+    spill = re.search(r"attn_wg\b.*?(\d+) bytes spill stores, (\d+) bytes spill loads", log, re.S)
+    serial = "C7514" in log or (hg and full_waits >= len(hg))
+    return (f"HGMMA {len(hg)}  waits-for-all {full_waits}  serialised {'YES' if serial else 'no'}  "
+            f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'} B  "
+            f"LDL in loop {sum(op.startswith('LDL') for op in loop)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nvrtc", required=True, help="libnvrtc.so of the GPU machine's CUDA")
+    ap.add_argument("--cuobjdump", required=True)
+    ap.add_argument("extra", nargs="*", help="NAME=VALUE defines added to every shape")
+    args = ap.parse_args()
+    extra = {}
+    for kv in args.extra:
+        name, _, value = kv.partition("=")
+        if not name.isidentifier() or not value.lstrip("-").isdigit():
+            sys.exit(f"extra define {kv!r} must look like NAME=1")
+        extra[name] = int(value)
+    lib = ctypes.CDLL(args.nvrtc)
+    src = SOURCE.read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        for d in shapes():
+            d.update(extra)
+            cubin, log = compile_cubin(lib, src, d)
+            path = Path(tmp) / "k.cubin"
+            path.write_bytes(cubin)
+            sass = subprocess.run([args.cuobjdump, "-sass", str(path)], capture_output=True,
+                                  text=True, check=True).stdout
+            tag = f"{'kv8' if d['TIER'] == 1 else 'tq4'} HN={d['HN']} TMA={d['TMA']}"
+            print(f"{tag:18} {report(sass, log)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
