@@ -321,8 +321,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), TMA ? 1 : 33 * PW); mbar_init(empty(s), NCW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    // Zero the ring: a token that is never copied (past t1, no block) then reads as zeros or
-    // as an earlier real row, never as NaN codes.
+    // Zero the ring: a token that is never copied (no block; past t1 with cp.async) then reads
+    // as zeros or as an earlier real row, never as NaN codes. (The TMA copies whole blocks, so
+    // kv8 tokens past t1 in the last one are zeroed in registers instead: raw_o.)
     for (int u = tid; u < NSLOT * SLOT_BYTES / 16; u += NTHREADS)
         ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
     fence_async_smem();  // the zeros before any TMA write
