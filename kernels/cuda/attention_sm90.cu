@@ -69,6 +69,15 @@
 #ifndef SKIPW
 #define SKIPW 0              // timing only (results wrong): 4 = no consumer work
 #endif
+#ifndef NOCVT
+#define NOCVT 0              // timing only (results wrong): 1 = raw words fed to wgmma unconverted
+#endif
+#ifndef NOSMX
+#define NOSMX 0              // timing only (results wrong): 1 = no exponentials (scores -> P^T)
+#endif
+#ifndef NOMMA
+#define NOMMA 0              // timing only (results wrong): 1 = no wgmma (operands still made)
+#endif
 
 #if TIER == 1
 #define LROW DL
@@ -210,15 +219,17 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
-// Two e4m3 codes (low byte first) -> half2; exact (CVT=0: value * 2^-8, see KV8_UNIT).
-__device__ __forceinline__ u32 e4m3x2(u32 v16) {
+// Four e4m3 codes (low byte first) -> two half2: bytes 0-1 and bytes 2-3; exact (CVT=0:
+// value * 2^-8, see KV8_UNIT). The halves go to the conversion as register halves: with
+// cvt.u16 / shifts ptxas spends a LOP3 or SHF per conversion on extracting them.
+__device__ __forceinline__ void e4m3x4(u32 w, u32& lo, u32& hi) {
 #if CVT
-    u32 r;
-    asm("{\n.reg .b16 t;\ncvt.u16.u32 t, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(r) : "r"(v16));
-    return r;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(w));
 #else
-    u32 t = prmt(v16, 0u, 0x1404u);  // [0, b0, 0, b1]
-    return (t & 0x80008000u) | ((t >> 1) & 0x3F803F80u);
+    const u32 t0 = prmt(w, 0u, 0x1404u), t1 = prmt(w, 0u, 0x3424u);  // [0, b0, 0, b1], [0, b2, 0, b3]
+    lo = (t0 & 0x80008000u) | ((t0 >> 1) & 0x3F803F80u);
+    hi = (t1 & 0x80008000u) | ((t1 >> 1) & 0x3F803F80u);
 #endif
 }
 __device__ __forceinline__ void wgmma_n16(float* d, const u32* a, u64 desc, u64 off, int accumulate) {
@@ -246,7 +257,9 @@ __device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 desc, u64 
 // desc: descriptor of the operand's base; off: bytes / 16 added to its start address (inside
 // the asm, so that the compiler keeps one base instead of a descriptor per k-step)
 __device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, u32 off, int accumulate) {
-#if HN == 16
+#if NOMMA
+    asm volatile("" : "+f"(d[0]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(off), "r"(accumulate));
+#elif HN == 16
     wgmma_n16(d, a, desc, off, accumulate);
 #elif HN == 32
     wgmma_n32(d, a, desc, off, accumulate);
@@ -323,7 +336,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     }
     // Zero the ring: a token that is never copied (no block; past t1 with cp.async) then reads
     // as zeros or as an earlier real row, never as NaN codes. (The TMA copies whole blocks, so
-    // kv8 tokens past t1 in the last one are zeroed in registers instead: raw_o.)
+    // the consumer that scores a kv8 half-tile zeroes its rows past t1 in shared memory.)
     for (int u = tid; u < NSLOT * SLOT_BYTES / 16; u += NTHREADS)
         ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
     fence_async_smem();  // the zeros before any TMA write
@@ -552,12 +565,13 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 }
             };
             auto cvt_s = [&](u32* a, const u32* w, int s) {
-#if TIER == 1
+#if NOCVT
                 (void)s;
-                a[0] = e4m3x2(w[0] & 0xFFFFu);
-                a[1] = e4m3x2(w[1] & 0xFFFFu);
-                a[2] = e4m3x2(w[0] >> 16);
-                a[3] = e4m3x2(w[1] >> 16);
+                a[0] = w[0]; a[1] = w[1]; a[2] = w[0] >> 16; a[3] = w[1] >> 16;
+#elif TIER == 1
+                (void)s;
+                e4m3x4(w[0], a[0], a[2]);
+                e4m3x4(w[1], a[1], a[3]);
 #else
                 const int sh = (s & 1) * 16;  // KS_R is even: the parity of s is the plane's
                 a[0] = lutS[((w[0] >> sh) & 0xFFu) * 32 + lane];
@@ -606,6 +620,22 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 wg_wait<SW>();
             }
             wg_wait<0>();
+#if TMA && TIER == 1
+            const uint2 mk = *(const uint2*)(sp + SLOT_MK);  // (no half-tile: finite codes)
+            if (have && (mk.x & mk.y) != ~0u) {
+                // The TMA copies whole blocks, so tokens past t1 hold whatever the pool has
+                // there (kv8 NaN codes would meet their zero weights in O^T), and tokens of
+                // missing blocks stale rows: zero their L codes before P^T is published
+                // (the bar_or below orders this before every warp's O^T reads). Rare: the
+                // last half-tile of a work item, or a table with holes.
+                uint4* lz = (uint4*)(sp + SLOT_L);
+                for (int u = (ctid & 127); u < HT * LROW / 16; u += 128) {
+                    const int t = (u >> 3) & (HT - 1);
+                    if (!(((t < 32 ? mk.x : mk.y) >> (t & 31)) & 1u)) lz[u] = make_uint4(0u, 0u, 0u, 0u);
+                }
+                fence_async_smem();  // before the slot's release lets the TMA write it again
+            }
+#endif
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const float2 qs = *(const float2*)(sQS + 8 * j + 2 * q);
@@ -682,8 +712,13 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 float2 m = *(const float2*)(sM + 8 * j + 2 * q);
                 m.x = m.x == NEG_INF ? 0.0f : m.x;
                 m.y = m.y == NEG_INF ? 0.0f : m.y;
+#if NOSMX
+                const float p0 = sacc[4 * j] - m.x, p1 = sacc[4 * j + 1] - m.y;
+                const float p2 = sacc[4 * j + 2] - m.x, p3 = sacc[4 * j + 3] - m.y;
+#else
                 const float p0 = fast_exp2(sacc[4 * j] - m.x), p1 = fast_exp2(sacc[4 * j + 1] - m.y);
                 const float p2 = fast_exp2(sacc[4 * j + 2] - m.x), p3 = fast_exp2(sacc[4 * j + 3] - m.y);
+#endif
                 lsum[2 * j] += p0 + p2;
                 lsum[2 * j + 1] += p1 + p3;
                 pr[j][0] = pack_h2(p0 * wfa, p1 * wfa);
@@ -714,32 +749,33 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             const int hs = 2 * step + (kk >> 2);
             if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
             const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES + SLOT_L;
-#if TMA && TIER == 1
-            // whole blocks are copied, so tokens past t1 hold whatever the pool has there: kv8
-            // NaN codes would meet their zero weights. Zero them (tq4 codes are all finite).
-            const u32 mk = *(const u32*)(sp - SLOT_L + SLOT_MK + 4 * ((kk & 3) >> 1));
-#endif
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int t = 16 * (kk & 3) + 2 * q + (i & 1) + (i >> 1) * 8;
                 X[i] = *(const OW*)(sp + l_off(t, oc) + ooff);
-#if TMA && TIER == 1
-                if (!((mk >> (t & 31)) & 1u)) X[i] = OW{};
-#endif
             }
         };
         auto cvt_o = [&](u32 (*a)[4], const OW* X) {
-#if TIER == 1
+#if NOCVT && TIER == 1
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                a[mt][0] = mt < 2 ? X[0].x : X[0].y; a[mt][1] = mt < 2 ? X[1].x : X[1].y;
+                a[mt][2] = mt < 2 ? X[2].x : X[2].y; a[mt][3] = mt < 2 ? X[3].x : X[3].y;
+            }
+#elif NOCVT
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                a[mt][0] = X[0] >> mt; a[mt][1] = X[1] >> mt; a[mt][2] = X[2] >> mt; a[mt][3] = X[3] >> mt;
+            }
+#elif TIER == 1
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
                 const int b = 2 * (mt & 1);
                 const u32 sel = b | ((4 + b) << 4) | ((b + 1) << 8) | ((5 + b) << 12);
                 const u32 p01 = mt < 2 ? prmt(X[0].x, X[1].x, sel) : prmt(X[0].y, X[1].y, sel);
                 const u32 p23 = mt < 2 ? prmt(X[2].x, X[3].x, sel) : prmt(X[2].y, X[3].y, sel);
-                a[mt][0] = e4m3x2(p01 & 0xFFFFu);
-                a[mt][1] = e4m3x2(p01 >> 16);
-                a[mt][2] = e4m3x2(p23 & 0xFFFFu);
-                a[mt][3] = e4m3x2(p23 >> 16);
+                e4m3x4(p01, a[mt][0], a[mt][1]);
+                e4m3x4(p23, a[mt][2], a[mt][3]);
             }
 #else
             const u32 ev01 = (X[0] & 0x0F0F0F0Fu) | ((X[1] << 4) & 0xF0F0F0F0u);

@@ -5,7 +5,9 @@ reference and against attention.cu, per variant, printing errors instead of asse
     python3 tests/gpu/diag_wgmma.py --log      # also the compiler log (ptxas -v)
     python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
-                                   # (SKIPC=1: consumers alone, SKIPW=4: copies alone)
+                                   # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
+                                   # TUNE_H=64 / TUNE_CVT=1 restrict the heads / kv8 cvt;
+                                   # BASE: the kernel in attention_sm90_base.cu)
 
 Variants come from the environment the kernel reads: KVFLEET_CUDA_KV8_CVT (1 hardware
 conversion, 0 bit moves) and KVFLEET_CUDA_WG_TUNING (extra defines, e.g. "SKIPW=3").
@@ -43,21 +45,35 @@ def errors(tier_name: str, H: int, seed: int, n_sm: int = 132) -> list[float]:
             for i, p in enumerate(positions)]
 
 
+def _base_kernel(shape, device):
+    """attn_wg compiled from kernels/cuda/attention_sm90_base.cu (a copy of the committed
+    kernel, e.g. `git show HEAD:kernels/cuda/attention_sm90.cu`): variant "BASE"."""
+    from kernels.cuda._build import set_dynamic_smem
+    k = object.__new__(gpu._WgKernel)
+    k.fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **shape.defines)
+    k.smem = shape.shared_bytes()
+    set_dynamic_smem(k.fn, k.smem)
+    return k
+
+
 def tune(variants: list[str]) -> None:
     from cluster.bench.attention import _device_planes, _graph_time
+    wg_kernel = gpu._wg_kernel
     B, T = 16, 32768
     rng = np.random.default_rng(0)
     for tier_name in ("kv8", "tq4"):
         tier = get_tier(tier_name)
         planes, tables = _device_planes(tier, B, T, rng)
-        for H in (64, 16):
+        for H in (int(h) for h in os.environ.get("TUNE_H", "64,16").split(",")):
             q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
             q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
             plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=1)
             for v in variants:
                 for cvt in (os.environ.get("TUNE_CVT", "1,0").split(",") if tier_name == "kv8"
                             else ("1",)):
-                    defs = [x for x in v.split(",") if x and not x.startswith("TMA=")]
+                    gpu._wg_kernel = _base_kernel if "BASE" in v.split(",") else wg_kernel
+                    defs = [x for x in v.split(",")
+                            if x and not x.startswith("TMA=") and x != "BASE"]
                     tma = [x[4:] for x in v.split(",") if x.startswith("TMA=")]
                     os.environ[gpu.TMA_ENV] = tma[-1] if tma else "1"
                     os.environ["KVFLEET_CUDA_WG_TUNING"] = ",".join(defs)
@@ -70,6 +86,7 @@ def tune(variants: list[str]) -> None:
                           f"(max err {err:.1e})", flush=True)
         del planes, tables
         cp.get_default_memory_pool().free_all_blocks()
+    gpu._wg_kernel = wg_kernel
     os.environ.pop("KVFLEET_CUDA_WG_TUNING", None)
     os.environ.pop("KVFLEET_CUDA_KV8_CVT", None)
     os.environ.pop(gpu.TMA_ENV, None)
