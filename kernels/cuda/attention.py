@@ -132,22 +132,19 @@ class WgShape:
     nslot: int  # 64-token raw half-tiles in flight
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
-    pp: int = 0   # 1: the consumer warpgroups ping-pong (3 P^T buffers), 0: lockstep
     tuning: tuple = ()  # extra (name, value) defines: SB, SW, PW, SKIPW (timing only;
                         # from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1")
 
     @property
     def defines(self) -> dict:
         return dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                    CVT=self.cvt, TMA=self.tma, PP=self.pp, **dict(self.tuning))
+                    CVT=self.cvt, TMA=self.tma, **dict(self.tuning))
 
     def shared_bytes(self) -> int:
         """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
         hn, dk = self.hn, self.dl + self.dr
         lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
-        # Q^T, P^T (PP: 3 x 64 tokens), qscale, M, rescale factors (PP: 3), reductions, bars
-        head = (hn * dk * 2 + hn * (192 if self.pp else 128) * 2 + (5 if self.pp else 3) * hn * 4
-                + 8 * hn * 4 + 64 + 128)
+        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
         lut = 256 * 32 * 4 if self.tier_id == 2 else 0
         if self.tma:  # unpadded R rows; slots and the ring start 1024-byte aligned
             slot = -(-(64 * lrow + 64 * rrow + 2 * 64 * 4 + 16) // 1024) * 1024
@@ -180,15 +177,13 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
         return None
     hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
-    tuning = dict(_tuning(os.environ.get("KVFLEET_CUDA_WG_TUNING", "")))
-    pp = tuning.pop("PP", 0)
-    tuning = tuple(tuning.items())
+    tuning = _tuning(os.environ.get("KVFLEET_CUDA_WG_TUNING", ""))
     rrow = dr if tier.kind == "fp8" else dr // 2
     # The TMA copies (whole blocks) beat cp.async everywhere (H200, 16 x 32k, ms: kv8 64h
     # 0.212 vs 0.234, 16h 0.134 vs 0.163; tq4 64h 0.247 vs 0.259, 16h 0.169 vs 0.184).
     tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128))
     for nslot in (6, 5, 4, 3):
-        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, pp, tuning)
+        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, tuning)
         if shape.shared_bytes() <= limit:
             return shape, -(-n_heads // hn)
     return None
