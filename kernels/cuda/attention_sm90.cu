@@ -69,6 +69,18 @@
 #ifndef SKIPW
 #define SKIPW 0              // timing only (results wrong): 4 = no consumer work
 #endif
+#ifndef MBSPIN
+#define MBSPIN 0             // 1: mbarrier waits spin on test_wait instead of try_wait
+#endif
+#ifndef NOFENCE
+#define NOFENCE 0            // timing only (results wrong): 1 = no proxy fence after P^T
+#endif
+#ifndef NOS
+#define NOS 0                // timing only (results wrong): 1 = no S^T products / conversions
+#endif
+#ifndef NOO
+#define NOO 0                // timing only (results wrong): 1 = no O^T products / conversions
+#endif
 #ifndef NOCVT
 #define NOCVT 0              // timing only (results wrong): 1 = raw words fed to wgmma unconverted
 #endif
@@ -156,8 +168,13 @@ __device__ __forceinline__ void mbar_init(u32 a, u32 n) {
 __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
     u32 done = 0;
     while (!done)
+#if MBSPIN
+        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(a), "r"(parity) : "memory");
+#else
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(a), "r"(parity) : "memory");
+#endif
 }
 __device__ __forceinline__ void mbar_arrive(u32 a) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(a) : "memory");
@@ -199,6 +216,16 @@ template <int N> __device__ __forceinline__ void wg_wait() {
 __device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
            ((u64)((sbo >> 4) & 0x3FFF) << 32);
+}
+// ldmatrix: lanes 8m..8m+7 give the row addresses of 8 x 16-byte matrix m; each lane gets
+// from every matrix the 4 bytes at (row lane / 4, bytes 4 (lane % 4)..): an A-fragment word.
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr) : "memory");
 }
 __device__ __forceinline__ void stsm_x4_t(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
@@ -273,7 +300,7 @@ __device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, u32 o
 // and leaves q.L below 2^-40 of it.
 __device__ __forceinline__ void row_factors(float sl, float sr, float& rho, float& fin) {
     if (!isfinite(sl)) { rho = 0.0f; fin = sl; }  // NaN / Inf scales propagate
-    else if (sl > 0.0f && sl >= sr * 0x1p-40f) { rho = sr / sl; fin = sl; }
+    else if (sl > 0.0f && sl >= sr * 0x1p-40f) { rho = __fdividef(sr, sl); fin = sl; }
     else { rho = sr * 0x1p40f; fin = 0x1p-40f; }
 }
 
@@ -283,7 +310,7 @@ __device__ __forceinline__ float eff_scale(float raw, float n) {
     (void)n;
     return raw * KV8_UNIT;
 #else
-    return (raw > 0.0f && isfinite(raw)) ? raw / sqrtf(n) : 0.0f;
+    return (raw > 0.0f && isfinite(raw)) ? raw * rsqrtf(n) : 0.0f;  // n: a constant
 #endif
 }
 
@@ -453,13 +480,28 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     float* sREDC = (float*)(smem + SM_REDC);
     const float* sQS = (const float*)(smem + SM_QS);
 #if TIER == 2
-    const u32* lutS = (const u32*)(smem + SM_LUT);
+    // pair table: entry b (two codes) of this lane's bank at lut_lane + b * 128; byte k of a
+    // word picked by prmt, so a lookup is prmt + lea + lds (4 integer ops with shifts / masks)
+    const u32 lut_lane = smem_u32(smem + SM_LUT) + 4 * lane;
+    auto lut_at = [&](u32 w, int k) -> u32 {
+        const u32 b = prmt(w, 0u, 0x4440u + k);
+        u32 r;
+        asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lut_lane + (b << 7)));
+        return r;
+    };
 #endif
     {
-        // Q^T in the permuted, canonical layout (u32 = two adjacent k)
+        // Q^T in the permuted, canonical layout (u32 = two adjacent k), copied by cp.async
+        // so that all of a thread's words are in flight at once (plain loads and stores kept
+        // two in flight: about 15 us per CTA at 64 heads, waiting on L2). Warp w copies heads
+        // w, w + 8, ...; lane l the words p = l + 32 i of each. The offset of word p of head
+        // h is qt_k(p) + qt_h(h).
+        constexpr int NPW = (DK / 2 + 31) / 32;
         const u32* src = (const u32*)(qh + ((size_t)qn * Hpad + h0) * DK);
-        for (int u = ctid; u < HN * (DK / 2); u += 256) {
-            const int h = u / (DK / 2), d = 2 * (u % (DK / 2));
+        int qt_k[NPW];
+#pragma unroll
+        for (int i = 0; i < NPW; ++i) {
+            const int d = 2 * (lane + 32 * i);
             const int dl = d < DL ? d : d - DL, sb = d < DL ? 0 : KS_L;
 #if TIER == 1
             const int s = sb + dl / 16, w = dl % 16, qd = w >> 2, e = w & 3;
@@ -467,16 +509,31 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             const int r = dl & 31, s = sb + 2 * (dl >> 5) + ((r & 7) >> 2), qd = r >> 3, e = r & 3;
 #endif
             const int k = e < 2 ? 2 * qd + e : 8 + 2 * qd + (e - 2);
-            const int off = ((2 * s + (k >> 3)) * NJ + (h >> 3)) * 128 + (h & 7) * 16 + (k & 7) * 2;
-            *(u32*)(smem + SM_QT + off) = src[(size_t)h * (DK / 2) + d / 2];
+            qt_k[i] = (2 * s + (k >> 3)) * NJ * 128 + (k & 7) * 2;
+        }
+        const u32 qt_base = smem_u32(smem + SM_QT);
+        for (int h = cw; h < HN; h += NCW) {
+            const u32 qb = qt_base + (h >> 3) * 128 + (h & 7) * 16;
+            const u32* sh = src + (size_t)h * (DK / 2) + lane;
+#pragma unroll
+            for (int i = 0; i < NPW; ++i)
+                if (lane + 32 * i < DK / 2) cp_async4(qb + qt_k[i], sh + 32 * i);
         }
         for (int h = ctid; h < HN; h += 256) {
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
             sM[h] = NEG_INF;
         }
 #if TIER == 2
-        for (int u = ctid; u < 256 * 32; u += 256) ((u32*)(smem + SM_LUT))[u] = lut[u >> 5];
+        {
+            // the pair table, one copy per bank: thread e writes entry e's 32 copies (16-byte
+            // stores, rotated by e so that a warp's stores spread over the banks)
+            const u32 v = lut[ctid];
+            uint4* row = (uint4*)(smem + SM_LUT) + ctid * 8;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) row[(j + ctid) & 7] = make_uint4(v, v, v, v);
+        }
 #endif
+        asm volatile("cp.async.wait_all;" ::: "memory");
         fence_async_smem();
         bar_sync(1, 256);
     }
@@ -494,6 +551,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     for (int i = 0; i < NJ * 2; ++i) lsum[i] = 0.0f;
     float c_ref = 0.0f;  // reference L scale of the context weights (same in every thread)
     const int ta = 16 * wi + g, tb = ta + 8;  // this thread's S^T rows (tokens of a half-tile)
+    const int lt = 16 * wi + (lane & 7) + (lane & 8);  // the row whose address it gives ldmatrix
 
     for (int step = 0; 2 * step < nh; ++step) {
         if (SKIPW & 4) {  // timing only: the copy pipeline alone (consumers just release)
@@ -506,10 +564,11 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         }
         const int hm = 2 * step + wgc;
         const bool have = hm < nh;
-        // g << 4 through an opaque move each step: otherwise ptxas hoists the 8-16 swizzled
-        // offsets of the latent reads out of the step loop and spills them (tq4, 64 heads)
-        int gx;
-        asm volatile("mov.b32 %0, %1;" : "=r"(gx) : "r"(g << 4));
+        // The swizzle terms of the latent reads through an opaque move each step: otherwise
+        // ptxas hoists the 8-16 swizzled offsets out of the step loop and spills them
+        int lx, lk;
+        asm volatile("mov.b32 %0, %1;" : "=r"(lx) : "r"((lane & 7) << 4));
+        asm volatile("mov.b32 %0, %1;" : "=r"(lk) : "r"(((lane & 7) << 4) ^ (lane & 16)));
         float sacc[NJ * 4];
         bool va = false, vb = false;
         float sla = 0.0f, slb = 0.0f;
@@ -537,31 +596,51 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             // of group gi + 1 are read before waiting for group gi - 1, so their latency
             // overlaps the products. (A second accumulator for the rope part would avoid the
             // rescale but needs 32 more registers: spills, and ptxas serialises every wgmma.)
-            static_assert(KS_L % SB == 0, "SB divides the latent k-steps");
-            auto raw_s = [&](u32* w, int s) {  // s: chain index (rope steps first)
-                if (s >= KS_R) {
-                    const int l = s - KS_R;
-#if TIER == 1
-                    const int u = l;
+            static_assert(KS_L % SB == 0 && SB % 2 == 0, "SB: even, divides the latent k-steps");
+            // Raw words by ldmatrix (one instruction for 2 chunks of 16 bytes x 16 rows; 4
+            // 32-bit loads gave the tensor cores 730 instead of 897 TFLOP/s in
+            // diag_wgmma_rate): lane l gives the address of row lt (rows ta for matrices
+            // 0 and 2, tb for 1 and 3) at chunk u + l / 16; w[k] = {row ta, row tb} words of
+            // k-step k (kv8: chunk = k-step; tq4: chunk = two k-steps, same words).
+            const u32 l_base = smem_u32(sp + SLOT_L) + lt * (TMA ? 128 : LROW);
+            const u32 r_base = smem_u32(sp + SLOT_R);
+            auto l_addr = [&](int u, int x) {  // u even for x4 (x = lk), any for x2 (x = lx)
+                // (the XOR in volatile asm: computed where it is used, not hoisted and spilled)
+#if TMA
+                const u32 c = (u >> 3) * (HT * 128), o = (u & 7) << 4;
 #else
-                    const int u = l >> 1;
+                const u32 c = 0, o = u << 4;
 #endif
-#if TMA  // l_off(ta / tb, u) with ta, tb = g mod 8, spelled out
-                    const int o = (u >> 3) * (HT * 128) + (((u & 7) << 4) ^ gx) + 4 * q;
-                    w[0] = *(const u32*)(sp + SLOT_L + ta * 128 + o);
-                    w[1] = *(const u32*)(sp + SLOT_L + tb * 128 + o);
-#else
-                    w[0] = *(const u32*)(sp + SLOT_L + ta * LROW + ((u << 4) ^ gx) + 4 * q);
-                    w[1] = *(const u32*)(sp + SLOT_L + tb * LROW + ((u << 4) ^ gx) + 4 * q);
-#endif
-                } else {
-#if TIER == 1
-                    const int u = s;
-#else
-                    const int u = s >> 1;
-#endif
-                    w[0] = *(const u32*)(sp + SLOT_R + r_off(ta, u) + 4 * q);
-                    w[1] = *(const u32*)(sp + SLOT_R + r_off(tb, u) + 4 * q);
+                u32 r;
+                asm volatile("xor.b32 %0, %1, %2;" : "=r"(r) : "r"(o), "r"(x));
+                return l_base + c + r;
+            };
+            constexpr int CPS = TIER == 1 ? 1 : 2;  // k-steps per chunk
+            auto raw_g = [&](u32 (*w)[2], int gi) {  // latent group gi: k-steps gi * SB ...
+                const int c0 = gi * SB / CPS;
+#pragma unroll
+                for (int c = 0; c < SB / CPS; c += 2) {
+                    u32 r[4];
+                    if (c + 1 < SB / CPS) ldsm_x4(l_addr(c0 + c, lk), r);
+                    else ldsm_x2(l_addr(c0 + c, lx), r);
+#pragma unroll
+                    for (int e = 0; e < CPS; ++e) {
+                        w[c * CPS + e][0] = r[0]; w[c * CPS + e][1] = r[1];
+                        if (c + 1 < SB / CPS) { w[(c + 1) * CPS + e][0] = r[2]; w[(c + 1) * CPS + e][1] = r[3]; }
+                    }
+                }
+            };
+            auto raw_r = [&](u32 (*w)[2]) {  // rope: KS_R k-steps, RCH chunks
+#pragma unroll
+                for (int c = 0; c < RCH; c += 2) {
+                    u32 r[4];
+                    if (c + 1 < RCH) ldsm_x4(r_base + r_off(lt, c + ((lane >> 4) & 1)), r);
+                    else ldsm_x2(r_base + r_off(lt, c), r);
+#pragma unroll
+                    for (int e = 0; e < CPS; ++e) {
+                        w[c * CPS + e][0] = r[0]; w[c * CPS + e][1] = r[1];
+                        if (c + 1 < RCH) { w[(c + 1) * CPS + e][0] = r[2]; w[(c + 1) * CPS + e][1] = r[3]; }
+                    }
                 }
             };
             auto cvt_s = [&](u32* a, const u32* w, int s) {
@@ -574,17 +653,20 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 e4m3x4(w[1], a[1], a[3]);
 #else
                 const int sh = (s & 1) * 16;  // KS_R is even: the parity of s is the plane's
-                a[0] = lutS[((w[0] >> sh) & 0xFFu) * 32 + lane];
-                a[1] = lutS[((w[1] >> sh) & 0xFFu) * 32 + lane];
-                a[2] = lutS[((w[0] >> (sh + 8)) & 0xFFu) * 32 + lane];
-                a[3] = lutS[((w[1] >> (sh + 8)) & 0xFFu) * 32 + lane];
+                a[0] = lut_at(w[0], sh / 8);
+                a[1] = lut_at(w[1], sh / 8);
+                a[2] = lut_at(w[0], sh / 8 + 1);
+                a[3] = lut_at(w[1], sh / 8 + 1);
 #endif
             };
+#if NOS
+#pragma unroll
+            for (int i = 0; i < NJ * 4; ++i) sacc[i] = (float)(i & 3) - 8.0f * (float)(rho_a + rho_b);
+#else
             {
                 // rope part: one commit group, then the rows rescaled to the L scale
                 u32 wr[KS_R][2], a[KS_R][4];
-#pragma unroll
-                for (int k = 0; k < KS_R; ++k) raw_s(wr[k], k);
+                raw_r(wr);
                 wg_fence();
 #pragma unroll
                 for (int k = 0; k < KS_R; ++k) {
@@ -594,8 +676,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 wg_commit();
             }
             u32 w[2][SB][2];
-#pragma unroll
-            for (int u = 0; u < SB; ++u) raw_s(w[0][u], KS_R + u);
+            raw_g(w[0], 0);
             wg_wait<0>();
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
@@ -608,10 +689,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 u32 a[SB][4];
 #pragma unroll
                 for (int u = 0; u < SB; ++u) cvt_s(a[u], w[gi & 1][u], KS_R + gi * SB + u);
-                if (gi + 1 < KS_L / SB) {
-#pragma unroll
-                    for (int u = 0; u < SB; ++u) raw_s(w[(gi + 1) & 1][u], KS_R + (gi + 1) * SB + u);
-                }
+                if (gi + 1 < KS_L / SB) raw_g(w[(gi + 1) & 1], gi + 1);
                 wg_fence();
 #pragma unroll
                 for (int u = 0; u < SB; ++u)
@@ -620,6 +698,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 wg_wait<SW>();
             }
             wg_wait<0>();
+#endif
 #if TMA && TIER == 1
             const uint2 mk = *(const uint2*)(sp + SLOT_MK);  // (no half-tile: finite codes)
             if (have && (mk.x & mk.y) != ~0u) {
@@ -686,7 +765,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
             bar_sync(3, 256);
             const float cn = sREDC[NCW];
-            const float cf = c_ref > 0.0f ? c_ref / cn : 1.0f;
+            const float cf = c_ref > 0.0f ? __fdividef(c_ref, cn) : 1.0f;
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const float2 al = *(const float2*)(sAL + 8 * j + 2 * q);
@@ -704,7 +783,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 
         // ---- numerators -> P^T (f16, weights p * sL / c; zeros without a half-tile) ----
         {
-            const float inv_c = c_ref > 0.0f ? 1.0f / c_ref : 0.0f;
+            const float inv_c = c_ref > 0.0f ? __fdividef(1.0f, c_ref) : 0.0f;
             const float wfa = va ? sla * inv_c : 0.0f, wfb = vb ? slb * inv_c : 0.0f;
             u32 pr[NJ][2];
 #pragma unroll
@@ -732,7 +811,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
             }
         }
-        fence_async_smem();
+        if (!NOFENCE) fence_async_smem();
         bar_sync(4, 256);
 
         // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----
@@ -784,14 +863,22 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             const u32 od23 = ((X[2] >> 4) & 0x0F0F0F0Fu) | (X[3] & 0xF0F0F0F0u);
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) {
-                a[mt][0] = lutS[((ev01 >> (8 * mt)) & 0xFFu) * 32 + lane];
-                a[mt][1] = lutS[((od01 >> (8 * mt)) & 0xFFu) * 32 + lane];
-                a[mt][2] = lutS[((ev23 >> (8 * mt)) & 0xFFu) * 32 + lane];
-                a[mt][3] = lutS[((od23 >> (8 * mt)) & 0xFFu) * 32 + lane];
+                a[mt][0] = lut_at(ev01, mt);
+                a[mt][1] = lut_at(od01, mt);
+                a[mt][2] = lut_at(ev23, mt);
+                a[mt][3] = lut_at(od23, mt);
             }
 #endif
         };
         OW X[2][4];
+#if NOO
+        for (int hs = 2 * step; hs < 2 * step + 2 && hs < nh; ++hs) {
+            if (hs != hm) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty(hs % NSLOT));
+        }
+        if (NOO) continue;
+#endif
         raw_o(X[0], 0);
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {

@@ -3,6 +3,8 @@ reference and against attention.cu, per variant, printing errors instead of asse
 
     python3 tests/gpu/diag_wgmma.py            # shared memory check + error matrix
     python3 tests/gpu/diag_wgmma.py --log      # also the compiler log (ptxas -v)
+    python3 tests/gpu/diag_wgmma.py --parts    # fixed cost of a call; qprep / attn_wg /
+                                               # combine alone at 16 x 32768
     python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
                                    # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
@@ -84,7 +86,7 @@ def tune(variants: list[str]) -> None:
                     t = _graph_time(fn, 10)[0]
                     print(f"tune {tier_name} H={H} [{v}] cvt={cvt}: {1e3 * t:.3f} ms  "
                           f"(max err {err:.1e})", flush=True)
-        del planes, tables
+        planes = tables = None
         cp.get_default_memory_pool().free_all_blocks()
     gpu._wg_kernel = wg_kernel
     os.environ.pop("KVFLEET_CUDA_WG_TUNING", None)
@@ -92,7 +94,57 @@ def tune(variants: list[str]) -> None:
     os.environ.pop(gpu.TMA_ENV, None)
 
 
+def parts() -> None:
+    """Time per call at B = 16 for T = 4k .. 32k (the intercept of time against T is the
+    fixed cost of a call) and, at 16 x 32k, attn_qprep, attn_wg and attn_combine alone."""
+    from cluster.bench.attention import _device_planes, _graph_time
+    B, H = 16, 64
+    rng = np.random.default_rng(0)
+    dev = cp.cuda.Device().id
+    for tier_name in ("kv8", "tq4"):
+        tier = get_tier(tier_name)
+        planes, tables = _device_planes(tier, B, 32768, rng)
+        q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
+        q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
+        for T in (4096, 8192, 16384, 32768):
+            plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=1)
+            t = _graph_time(lambda: gpu.paged_mla_decode(tier, planes, tables, plan, q_lat,
+                                                         q_rope, SCALE), 10)[0]
+            print(f"parts {tier_name} H={H} {B}x{T}: {1e3 * t:.4f} ms (W={plan.n_work}, "
+                  f"chunk {plan.chunk})", flush=True)
+        shape, groups = gpu._wg_shape(tier, H, DL, DR, planes.l_scale.shape[1])
+        ks = gpu._kernels(gpu.Shape(shape.tier_id, 1, 64, DL, DR), dev)
+        hpad, W = groups * shape.hn, plan.n_work
+        qh = cp.empty((B, hpad, DL + DR), cp.uint16)
+        qs = cp.empty((B, hpad), cp.float32)
+        o_part = cp.zeros((W, hpad, DL), cp.float32)
+        ml_part = cp.zeros((W, hpad, 2), cp.float32)
+        out = cp.empty((B, H, DL), cp.float32)
+        wg = gpu._wg_kernel(shape, dev)
+        lut = gpu._tq_lut(dev)
+        maps = gpu.tma_maps(planes)
+        nb, bs = tables.shape[1], planes.l_scale.shape[1]
+        calls = {
+            "qprep": lambda: ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H),
+                                                         np.int32(hpad), np.float32(SCALE))),
+            "attn_wg": lambda: wg.fn((W, groups), (gpu.WG_THREADS,), (
+                qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+                np.int32(nb), np.int32(bs), plan.work, lut, maps, o_part, ml_part,
+                np.int32(hpad)), shared_mem=wg.smem),
+            "combine": lambda: ks.combine((B, H), (128,), (o_part, ml_part, plan.splits, out,
+                                                           np.int32(H), np.int32(hpad))),
+        }
+        for name, fn in calls.items():
+            print(f"parts {tier_name} H={H} {B}x32768 {name} alone: "
+                  f"{1e3 * _graph_time(fn, 10)[0]:.4f} ms", flush=True)
+        planes = tables = None
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def main() -> None:
+    if "--parts" in sys.argv:
+        parts()
+        return
     if "--tune" in sys.argv:
         tune(sys.argv[sys.argv.index("--tune") + 1:])
         return
