@@ -284,30 +284,38 @@ def _check(name: str, a, dtype, shape: tuple) -> None:
         raise ValueError(f"{name} must be C-contiguous")
 
 
-def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, q_rope,
-            scale: float, out: cp.ndarray) -> None:
+def _flash_decode(ks, hpad: int, planes, tables, plan, q_lat, q_rope, scale: float,
+                  out: cp.ndarray, split) -> None:
+    """attn_qprep -> split -> attn_combine (attention.cu's qprep and combine, whichever
+    kernel splits the context): split(qh, qscale, o_part, ml_part, lut, nb, bs) launches
+    the split kernel over plan.work when there is any."""
     N, H, dl = q_lat.shape
     dr = q_rope.shape[2]
-    hpad = groups * 16 * shape.mt
-    ks = _kernels(shape, cp.cuda.Device().id)
     qh = cp.empty((N, hpad, dl + dr), cp.uint16)
     qscale = cp.empty((N, hpad), cp.float32)
-    ks.qprep(
-        (N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
-                            np.float32(scale * LOG2E)))
+    ks.qprep((N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
+                                 np.float32(scale * LOG2E)))
     W = plan.n_work
     o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
     ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
     if W:
-        lut = _tq_lut(cp.cuda.Device().id)
-        nb, bs = tables.shape[1], planes.l_scale.shape[1]
-        ks.split((W, groups), (256,), (qh, qscale, planes.l_codes, planes.l_scale,
-                                       planes.r_codes, planes.r_scale, tables, np.int32(nb),
-                                       np.int32(bs), plan.work, lut, o_part, ml_part,
-                                       np.int32(hpad)),
-                 shared_mem=ks.smem)
-    ks.combine(
-        (N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+        split(qh, qscale, o_part, ml_part, _tq_lut(cp.cuda.Device().id), np.int32(tables.shape[1]),
+              np.int32(planes.l_scale.shape[1]))
+    ks.combine((N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+
+
+def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, q_rope,
+            scale: float, out: cp.ndarray) -> None:
+    ks = _kernels(shape, cp.cuda.Device().id)
+
+    def split(qh, qscale, o_part, ml_part, lut, nb, bs):
+        ks.split((plan.n_work, groups), (256,), (
+            qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+            nb, bs, plan.work, lut, o_part, ml_part, np.int32(o_part.shape[1])),
+            shared_mem=ks.smem)
+
+    _flash_decode(ks, groups * 16 * shape.mt, planes, tables, plan, q_lat, q_rope, scale, out,
+                  split)
 
 
 class _WgKernel:
@@ -373,31 +381,23 @@ def _without_tma(shape: WgShape) -> WgShape:
 
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
                scale: float, out: cp.ndarray) -> None:
-    N, H, dl = q_lat.shape
-    dr = q_rope.shape[2]
-    hpad = groups * shape.hn
+    dev = cp.cuda.Device().id
     # attn_qprep / attn_combine of attention.cu depend only on TIER, DL and DR
-    ks = _kernels(Shape(shape.tier_id, 1, 64, dl, dr), cp.cuda.Device().id)
-    qh = cp.empty((N, hpad, dl + dr), cp.uint16)
-    qscale = cp.empty((N, hpad), cp.float32)
-    ks.qprep((N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
-                                 np.float32(scale * LOG2E)))
-    W = plan.n_work
-    o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
-    ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
-    if W:
-        lut = _tq_lut(cp.cuda.Device().id)
-        if shape.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
-                                                       planes.l_scale, planes.r_scale)):
-            shape = _without_tma(shape)  # the TMA needs 16-byte aligned planes
-        maps = tma_maps(planes) if shape.tma else lut  # (unused without the TMA)
-        wg = _wg_kernel(shape, cp.cuda.Device().id)
-        nb, bs = tables.shape[1], planes.l_scale.shape[1]
-        wg.fn((W, groups), (WG_THREADS,), (qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes,
-                                    planes.r_scale, tables, np.int32(nb), np.int32(bs),
-                                    plan.work, lut, maps, o_part, ml_part, np.int32(hpad)),
-              shared_mem=wg.smem)
-    ks.combine((N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+    ks = _kernels(Shape(shape.tier_id, 1, 64, q_lat.shape[2], q_rope.shape[2]), dev)
+
+    def split(qh, qscale, o_part, ml_part, lut, nb, bs):
+        s = shape
+        if s.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
+                                                   planes.l_scale, planes.r_scale)):
+            s = _without_tma(s)  # the TMA needs 16-byte aligned planes
+        maps = tma_maps(planes) if s.tma else lut  # (unused without the TMA)
+        wg = _wg_kernel(s, dev)
+        wg.fn((plan.n_work, groups), (WG_THREADS,), (
+            qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+            nb, bs, plan.work, lut, maps, o_part, ml_part, np.int32(o_part.shape[1])),
+            shared_mem=wg.smem)
+
+    _flash_decode(ks, groups * shape.hn, planes, tables, plan, q_lat, q_rope, scale, out, split)
 
 
 def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: DecodePlan,
