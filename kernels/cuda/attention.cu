@@ -200,15 +200,52 @@ __device__ __forceinline__ uint4 convert_unit(RawUnit w, const u32* lut) {
 
 #include "sign_hash.cuh"
 
-// Unnormalized butterfly of buf[n] (all threads of a block of `nthreads` call it).
-__device__ __forceinline__ void butterfly(float* buf, int n, int nthreads) {
-    for (int len = 1; len < n; len <<= 1) {
+// Unnormalized Walsh-Hadamard transform of buf[N] in shared memory (N a power of two, at
+// least 2), called by all 128 threads of the block. Index bits 0-4 are exchanged by warp
+// shuffles, the bits above 6 stay within a thread, bits 5-6 go through one pass over shared
+// memory: two barriers instead of one per stage (a stage-per-barrier loop made the tq4
+// qprep and combine take 10 us at 16 x 64 heads). N < 128: the first min(N, 32) lanes.
+template <int N>
+__device__ __forceinline__ void fwht(float* buf) {
+    static_assert(N >= 2 && (N & (N - 1)) == 0, "fwht: N must be a power of two");
+    const int tid = threadIdx.x, lane = tid & 31;
+    constexpr int R = N >= 128 ? N / 128 : N >= 32 ? N / 32 : 1;  // values per thread: index
+    constexpr int ML = N < 32 ? N : 32;                             // tid + 128 r (N < 128:
+    __syncthreads();                                                // lane + 32 r)
+    if (N >= 128 || tid < (N < 32 ? N : 32)) {
+        const int i0 = N >= 128 ? tid : lane, st = N >= 128 ? 128 : 32;
+        float x[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) x[r] = buf[i0 + st * r];
+#pragma unroll
+        for (int s = 1; s < R; s <<= 1)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (!(r & s)) {
+                    const float a = x[r], b = x[r + s];
+                    x[r] = a + b;
+                    x[r + s] = a - b;
+                }
+#pragma unroll
+        for (int m = 1; m < ML; m <<= 1)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float p = __shfl_xor_sync(N < 32 ? (1u << (N & 31)) - 1u : 0xffffffffu, x[r], m);
+                x[r] = (lane & m) ? p - x[r] : x[r] + p;
+            }
+#pragma unroll
+        for (int r = 0; r < R; ++r) buf[i0 + st * r] = x[r];
+    }
+    if (N >= 128) {
         __syncthreads();
-        for (int p = threadIdx.x; p < n / 2; p += nthreads) {
-            int j = (p / len) * 2 * len + (p % len);
-            float a = buf[j], b = buf[j + len];
-            buf[j] = a + b;
-            buf[j + len] = a - b;
+        for (int g = tid; g < N / 4; g += 128) {  // bits 5-6: the four values 32 apart
+            const int b = (g & 31) + 128 * (g >> 5);
+            const float y0 = buf[b], y1 = buf[b + 32], y2 = buf[b + 64], y3 = buf[b + 96];
+            const float a0 = y0 + y1, a1 = y0 - y1, a2 = y2 + y3, a3 = y2 - y3;
+            buf[b] = a0 + a2;
+            buf[b + 32] = a1 + a3;
+            buf[b + 64] = a0 - a2;
+            buf[b + 96] = a1 - a3;
         }
     }
     __syncthreads();
@@ -240,8 +277,8 @@ attn_qprep(const float* __restrict__ q_lat, const float* __restrict__ q_rope,
         buf[d] = v;
     }
 #if TIER == 2
-    butterfly(buf, DL, 128);
-    butterfly(buf + DL, DR, 128);
+    fwht<DL>(buf);
+    fwht<DR>(buf + DL);
     const float il = 1.0f / sqrtf((float)DL), ir = 1.0f / sqrtf((float)DR);
     for (int d = tid; d < DK; d += 128) buf[d] *= d < DL ? il : ir;
 #endif
@@ -624,7 +661,7 @@ attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part
 #pragma unroll
     for (int k = 0; k < DL / 128; ++k) buf[tid + 128 * k] = acc[k];
 #if TIER == 2
-    butterfly(buf, DL, 128);
+    fwht<DL>(buf);
     const float il = 1.0f / sqrtf((float)DL);
     for (int d = tid; d < DL; d += 128) buf[d] = neg_sign(d) ? -(buf[d] * il) : buf[d] * il;
 #endif
