@@ -203,7 +203,7 @@ __device__ __forceinline__ uint4 convert_unit(RawUnit w, const u32* lut) {
 // Unnormalized Walsh-Hadamard transform of buf[N] in shared memory (N a power of two, at
 // least 2), called by all 128 threads of the block. Index bits 0-4 are exchanged by warp
 // shuffles, the bits above 6 stay within a thread, bits 5-6 go through one pass over shared
-// memory: two barriers instead of one per stage (a stage-per-barrier loop made the tq4
+// memory: three barriers instead of one per stage (a stage-per-barrier loop made the tq4
 // qprep and combine take 10 us at 16 x 64 heads). N < 128: the first min(N, 32) lanes.
 template <int N>
 __device__ __forceinline__ void fwht(float* buf) {

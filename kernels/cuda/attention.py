@@ -18,8 +18,8 @@ the queries (per head scaled to max |q| = 1) and the softmax weights.
 On Hopper (compute capability 9.0) kv8 and tq4 take attention_sm90.cu's attn_wg instead of
 attn_split (warpgroup MMA, the codes converted in registers; `kernel_path()` says which
 runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu; its copies go through the TMA with tensor
-maps from tma_maps(), or cp.async for block sizes not divisible by 8 and planes not
-16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Same qprep / combine, same
+maps from tma_maps(), or cp.async for block sizes not divisible by 8, rope rows other than
+32 / 64 / 128 bytes and planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Same qprep / combine, same
 precision. It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
@@ -132,8 +132,8 @@ class WgShape:
     nslot: int  # 64-token raw half-tiles in flight
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
-    tuning: tuple = ()  # extra (name, value) defines: SB, SW, PW, SKIPW (timing only;
-                        # from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1")
+    tuning: tuple = ()  # extra (name, value) defines from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1":
+                        # SB, SW, PW, MBSPIN and the timing-only knobs (attention_sm90.cu)
 
     @property
     def defines(self) -> dict:
@@ -166,11 +166,12 @@ def _tuning(text: str) -> tuple[tuple[str, int], ...]:
 
 def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgShape, int] | None:
     """(specialisation, head groups) of the sm_90a kernel, or None where it does not apply:
-    not a Hopper GPU, KVFLEET_CUDA_WGMMA=0, f32 / polar tiers, widths (kv_lora % 256,
-    rope % 32) or a block size that does not divide 64."""
+    not a Hopper GPU, KVFLEET_CUDA_WGMMA=0, f32 / polar tiers, widths (kv_lora other than
+    512, the two consumer warpgroups' 2 x 256 context dims; rope % 32) or a block size that
+    does not divide 64."""
     if os.environ.get(WG_ENV, "1") == "0" or tier.kind not in _WG_TIER:
         return None
-    if dl % 256 or dr % 32 or bs <= 0 or 64 % bs or not has_kernel(tier, dl, dr):
+    if dl != 512 or dr % 32 or bs <= 0 or 64 % bs or not has_kernel(tier, dl, dr):
         return None
     cc, _, limit, _ = _device_info(cp.cuda.Device().id)
     if cc != "90":

@@ -4,7 +4,8 @@
 // (its attn_qprep makes the f16 queries, its attn_combine merges the splits).
 //
 // Compile-time parameters (-D): TIER 1 kv8 / 2 tq4; HN = heads per CTA (16, 32 or 64: the
-// wgmma N); DL, DR = latent and rope widths (DL % 256 == 0, DR % 32 == 0); NSLOT = 64-token
+// wgmma N); DL, DR = latent and rope widths (DL == 512: two warpgroups of 256 context dims;
+// DR % 32 == 0); NSLOT = 64-token
 // half-tiles in flight; CVT (kv8) 1 = cvt.rn.f16x2.e4m3x2, 0 = integer bit moves (slower);
 // SB, SW = S^T k-steps per wgmma group and groups left in flight; PW = producer warps that
 // copy (1 or 2); SKIPW=4 / SKIPC=1 (timing only, results wrong): the copy pipeline alone
@@ -16,7 +17,7 @@
 //   S^T[token, head] = K[token, :] . Q^T          (A = 64 tokens of K, B = Q^T in shared memory)
 //   O^T[dim, head]  += V^T[dim, token] . P^T      (A = 64 dims of V over 16 tokens, B = P^T)
 // so each thread loads the raw bytes it needs (kv8: 1 byte, tq4: half a byte per value; for
-// S^T by ldmatrix, whose fragment is exactly A's), converts them to f16 in registers and
+// S^T by ldmatrix, whose words are those of A's fragment), converts them to f16 in registers and
 // feeds them to wgmma; shared memory holds the raw
 // tiles, Q^T and P^T only. Every product's k axis may be permuted freely as long as A and B
 // agree: the latent dims are permuted so that a thread's four k values of a step are four
@@ -143,6 +144,7 @@
 #define SLOT_BYTES ALIGN1K(SLOT_MK + 16)
 #define SM_TOTAL (SM_SLOT + NSLOT * SLOT_BYTES)
 
+static_assert(DL == 512, "each consumer warpgroup's O^T covers 256 latent dims (4 x m64)");
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * NTHREADS,
               "setmaxnreg can only hand over the registers the CTA starts with (168 each)");
 
@@ -298,12 +300,19 @@ __device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, u32 o
 #endif
 }
 
+// x / y: the approximate division (2 ulp) where y is a normal float below 2^126, its
+// range of accuracy; IEEE division elsewhere (subnormal or huge scales)
+__device__ __forceinline__ float div_fast(float x, float y) {
+    const float ay = fabsf(y);
+    return (ay >= 0x1p-126f && ay <= 0x1p126f) ? __fdividef(x, y) : x / y;
+}
+
 // Per-row factors of the score (see the header): fin * (rho * q.R + q.L) = sL q.L + sR q.R
 // A zero or negligible L scale keeps the R part exact
 // and leaves q.L below 2^-40 of it.
 __device__ __forceinline__ void row_factors(float sl, float sr, float& rho, float& fin) {
     if (!isfinite(sl)) { rho = 0.0f; fin = sl; }  // NaN / Inf scales propagate
-    else if (sl > 0.0f && sl >= sr * 0x1p-40f) { rho = __fdividef(sr, sl); fin = sl; }
+    else if (sl > 0.0f && sl >= sr * 0x1p-40f) { rho = div_fast(sr, sl); fin = sl; }
     else { rho = sr * 0x1p40f; fin = 0x1p-40f; }
 }
 
@@ -313,7 +322,7 @@ __device__ __forceinline__ float eff_scale(float raw, float n) {
     (void)n;
     return raw * KV8_UNIT;
 #else
-    return (raw > 0.0f && isfinite(raw)) ? raw * rsqrtf(n) : 0.0f;  // n: a constant
+    return (raw > 0.0f && isfinite(raw)) ? raw * (1.0f / sqrtf(n)) : 0.0f;  // n: a constant
 #endif
 }
 
@@ -599,7 +608,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             // of group gi + 1 are read before waiting for group gi - 1, so their latency
             // overlaps the products. (A second accumulator for the rope part would avoid the
             // rescale but needs 32 more registers: spills, and ptxas serialises every wgmma.)
-            static_assert(KS_L % SB == 0 && SB % 2 == 0, "SB: even, divides the latent k-steps");
+            static_assert(KS_L % SB == 0 && SB % 2 == 0 && (TIER == 1 || SB == 2 || SB % 4 == 0),
+                          "SB: divides the latent k-steps; even (kv8), 2 or a multiple of 4 (tq4)");
             // Raw words by ldmatrix (one instruction for 2 chunks of 16 bytes x 16 rows; 4
             // 32-bit loads gave the tensor cores 730 instead of 897 TFLOP/s in
             // diag_wgmma_rate): lane l gives the address of row lt (rows ta for matrices
@@ -709,7 +719,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 // there (kv8 NaN codes would meet their zero weights in O^T), and tokens of
                 // missing blocks stale rows: zero their L codes before P^T is published
                 // (the bar_or below orders this before every warp's O^T reads). Rare: the
-                // last half-tile of a work item, or a table with holes.
+                // last half-tile of a work item, or a table with holes. Other warps of this
+                // warpgroup may still be reading these rows for S^T: harmless, as only
+                // masked rows are written and their scores are selected away (NEG_INF),
+                // never multiplied.
                 uint4* lz = (uint4*)(sp + SLOT_L);
                 for (int u = (ctid & 127); u < HT * LROW / 16; u += 128) {
                     const int t = (u >> 3) & (HT - 1);
@@ -768,7 +781,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
             bar_sync(3, 256);
             const float cn = sREDC[NCW];
-            const float cf = c_ref > 0.0f ? __fdividef(c_ref, cn) : 1.0f;
+            const float cf = c_ref > 0.0f ? div_fast(c_ref, cn) : 1.0f;
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const float2 al = *(const float2*)(sAL + 8 * j + 2 * q);
@@ -786,7 +799,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 
         // ---- numerators -> P^T (f16, weights p * sL / c; zeros without a half-tile) ----
         {
-            const float inv_c = c_ref > 0.0f ? __fdividef(1.0f, c_ref) : 0.0f;
+            const float inv_c = c_ref > 0.0f ? div_fast(1.0f, c_ref) : 0.0f;
             const float wfa = va ? sla * inv_c : 0.0f, wfb = vb ? slb * inv_c : 0.0f;
             u32 pr[NJ][2];
 #pragma unroll
@@ -819,7 +832,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 
         // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----
         // 8 groups of 16 tokens; group kk + 1's raw words are read before waiting for group
-        // kk - 1. A missing half-tile (odd count) has zero weights in P^T: no divergent wgmma.
+        // kk - 1. A missing half-tile (odd count) has zero weights in P^T: no divergent wgmma;
+        // its slot holds finite codes (rows a scorer zeroed, real rows, or the initial zeros).
 #if TIER == 1
         typedef uint2 OW;
         const int oc = 16 * wgc + 4 * wi + (g >> 1), ooff = (g & 1) * 8;
@@ -880,7 +894,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             __syncwarp();
             if (lane == 0) mbar_arrive(empty(hs % NSLOT));
         }
-        if (NOO) continue;
+        continue;
 #endif
         raw_o(X[0], 0);
 #pragma unroll

@@ -228,3 +228,7 @@ def test_kernel_path_choices():
     assert gpu.kernel_path("polar3", 64, DL, DR) == "cpu"
     assert gpu.kernel_path("kv8", 64, DL, DR, block_size=48) == "mma"  # 48 does not divide 64
     assert gpu.kernel_path("kv8", 64, 384, DR) == "mma"  # kv_lora % 256
+    # attn_wg's two warpgroups cover 2 x 256 context dims: other widths take attention.cu
+    # (256 read past its latent rows, 1024 left dims 512.. unwritten)
+    assert gpu.kernel_path("kv8", 16, 256, DR) == "mma"
+    assert gpu.kernel_path("tq4", 16, 1024, DR) == "mma"
