@@ -17,6 +17,8 @@ import sys
 import cupy as cp
 import numpy as np
 
+from cluster.bench.attention import _cuda_time
+
 
 def _wgmma_fn(n: int, ss: bool) -> str:
     nd = n // 2
@@ -190,26 +192,12 @@ def build(src: str):
     return mod.get_function("rate")
 
 
-def time_fn(fn, repeat: int = 5) -> float:
-    fn()
-    cp.cuda.Device().synchronize()
-    ts = []
-    for _ in range(repeat):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
-    return float(np.median(ts))
-
-
 def main() -> None:
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
     a = cp.random.standard_normal((8192, 8192), dtype=cp.float32).astype(cp.float16)
     b = cp.random.standard_normal((8192, 8192), dtype=cp.float32).astype(cp.float16)
     c = cp.empty((8192, 8192), cp.float16)
-    t = time_fn(lambda: cp.matmul(a, b, out=c))
+    t = _cuda_time(lambda: cp.matmul(a, b, out=c), 5, warmup=1)
     blas = 2 * 8192 ** 3 / t / 1e12
     print(f"cublas f16 8192^3: {blas:.0f} TFLOP/s", flush=True)
     a = b = c = None  # free the 384 MB before the runs
@@ -229,7 +217,8 @@ def main() -> None:
         smem = max(4 * n * 32 + 4 * 64 * 32, 16 * 4 * 128 * 4)
         out = cp.empty(n_sm * nwg * 128, cp.float32)
         iters = max(1, 200_000 // (n * grp // 64))
-        t = time_fn(lambda: fn((n_sm,), (nwg * 128,), (out, np.int32(iters)), shared_mem=smem))
+        t = _cuda_time(lambda: fn((n_sm,), (nwg * 128,), (out, np.int32(iters)), shared_mem=smem),
+                       5, warmup=1)
         flop = n_sm * nwg * iters * grp * 64 * n * 16 * 2
         r = flop / t / 1e12
         mode = "ss" if ss else ("rs", "rs+lds", "rs+lds+cvt", "rs+ldsm+cvt")[feed]
