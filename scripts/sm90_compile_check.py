@@ -1,7 +1,10 @@
 """Compile kernels/cuda/attention_sm90.cu for sm_90a on a machine without a GPU and report,
 per shipped shape, what decides its speed before any device time is spent: spill bytes,
 whether ptxas serialised the wgmmas (info C7514, or a wait for completion after every HGMMA
-in the SASS) and the number of local-memory loads inside the main loop.
+in the SASS), the number of local-memory loads inside the main loop and its length (the
+static instructions from the first to the last HGMMA of a step: what the consumer warps
+issue besides the products; at 64 heads session 4 took kv8 from 2158 to 1705, tq4 from 2725
+to 2244).
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
@@ -65,7 +68,7 @@ def report(sass: str, log: str) -> str:
     serial = "C7514" in log or (hg and full_waits >= len(hg))
     return (f"HGMMA {len(hg)}  waits-for-all {full_waits}  serialised {'YES' if serial else 'no'}  "
             f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'} B  "
-            f"LDL in loop {sum(op.startswith('LDL') for op in loop)}")
+            f"LDL in loop {sum(op.startswith('LDL') for op in loop)}  loop {len(loop)} instr")
 
 
 def main() -> None:
