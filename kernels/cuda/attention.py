@@ -133,7 +133,7 @@ class WgShape:
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
     tuning: tuple = ()  # extra (name, value) defines from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1":
-                        # SB, SW, PW, MBSPIN and the timing-only knobs (attention_sm90.cu)
+                        # SB, SW, PW and the timing-only knobs (attention_sm90.cu)
 
     @property
     def defines(self) -> dict:

@@ -10,8 +10,7 @@
 // SB, SW = S^T k-steps per wgmma group and groups left in flight; PW = producer warps that
 // copy (1 or 2); SKIPW=4 / SKIPC=1 (timing only, results wrong): the copy pipeline alone
 // (consumers only release slots) / the consumers alone (nothing copied). The other
-// timing-only knobs (NOCVT, NOSMX, NOMMA, NOS, NOO, NOFENCE) and MBSPIN are described at
-// their #define.
+// timing-only knobs (NOCVT, NOSMX, NOMMA, NOS, NOO) are described at their #define.
 //
 // The products are transposed so that the cache is the register operand A:
 //   S^T[token, head] = K[token, :] . Q^T          (A = 64 tokens of K, B = Q^T in shared memory)
@@ -72,12 +71,6 @@
 #endif
 #ifndef SKIPW
 #define SKIPW 0              // timing only (results wrong): 4 = no consumer work
-#endif
-#ifndef MBSPIN
-#define MBSPIN 0             // 1: mbarrier waits spin on test_wait instead of try_wait
-#endif
-#ifndef NOFENCE
-#define NOFENCE 0            // timing only (results wrong): 1 = no proxy fence after P^T
 #endif
 #ifndef NOS
 #define NOS 0                // timing only (results wrong): 1 = no S^T products / conversions
@@ -173,13 +166,8 @@ __device__ __forceinline__ void mbar_init(u32 a, u32 n) {
 __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
     u32 done = 0;
     while (!done)
-#if MBSPIN
-        asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(a), "r"(parity) : "memory");
-#else
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(a), "r"(parity) : "memory");
-#endif
 }
 __device__ __forceinline__ void mbar_arrive(u32 a) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(a) : "memory");
@@ -827,7 +815,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
             }
         }
-        if (!NOFENCE) fence_async_smem();
+        fence_async_smem();
         bar_sync(4, 256);
 
         // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----
