@@ -34,7 +34,7 @@ def shapes() -> list[dict]:
     out = []
     for tier in (1, 2):
         for hn in (16, 32, 64):
-            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=3, CVT=1, TMA=1))
+            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=3, CVT=1, TMA=1, BS=16))
     return out
 
 

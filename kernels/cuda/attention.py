@@ -132,13 +132,15 @@ class WgShape:
     nslot: int  # 64-token raw half-tiles in flight
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
+    bs: int = 16  # the pool's block size: rows of a TMA box (compiled in with the TMA only)
     tuning: tuple = ()  # extra (name, value) defines from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1":
                         # SB, SW, PW and the timing-only knobs (attention_sm90.cu)
 
     @property
     def defines(self) -> dict:
+        bs = dict(BS=self.bs) if self.tma else {}
         return dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                    CVT=self.cvt, TMA=self.tma, **dict(self.tuning))
+                    CVT=self.cvt, TMA=self.tma, **bs, **dict(self.tuning))
 
     def shared_bytes(self) -> int:
         """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
@@ -184,7 +186,7 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
     # 0.212 vs 0.234, 16h 0.134 vs 0.163; tq4 64h 0.247 vs 0.259, 16h 0.169 vs 0.184).
     tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128))
     for nslot in (6, 5, 4, 3):
-        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, tuning)
+        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, bs, tuning)
         if shape.shared_bytes() <= limit:
             return shape, -(-n_heads // hn)
     return None
@@ -333,23 +335,23 @@ def _wg_kernel(shape: WgShape, device: int) -> _WgKernel:
     return _WgKernel(shape)
 
 
-def _encode_tensor_map(ptr: int, rows: int, row_bytes: int, box_rows: int, box_bytes: int,
+def _encode_tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple,
                        swizzle: int) -> bytes:
-    """A CUtensorMap (128 bytes) over a [rows, row_bytes] uint8 plane at device address ptr,
-    boxes of box_rows x box_bytes, swizzle 1 / 2 / 3 = 32 / 64 / 128 bytes (the driver's
-    cuTensorMapEncodeTiled)."""
+    """A CUtensorMap (128 bytes) over uint8 data at device address ptr (the driver's
+    cuTensorMapEncodeTiled): dims innermost first (dims[0] bytes, stride 1), strides in bytes
+    of dims[1:], box the extent copied along each dim, swizzle 1 / 2 / 3 = 32 / 64 / 128 bytes."""
     import ctypes
     fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int
     raw = ctypes.create_string_buffer(128 + 64)
     at = -(-ctypes.addressof(raw) // 64) * 64  # the map is 64-byte aligned
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    err = fn(ctypes.c_void_p(at), 0, 2, ctypes.c_void_p(ptr),  # UINT8, rank 2
-             (u64 * 2)(row_bytes, rows), (u64 * 1)(row_bytes), (u32 * 2)(box_bytes, box_rows),
-             (u32 * 2)(1, 1), 0, swizzle, 2, 0)  # no interleave, L2 promotion 128 B, no OOB fill
+    u64, u32, n = ctypes.c_uint64, ctypes.c_uint32, len(dims)
+    err = fn(ctypes.c_void_p(at), 0, n, ctypes.c_void_p(ptr),  # UINT8
+             (u64 * n)(*dims), (u64 * (n - 1))(*strides), (u32 * n)(*box),
+             (u32 * n)(*([1] * n)), 0, swizzle, 2, 0)  # no interleave, L2 promotion 128 B, no OOB fill
     if err:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for a {rows} x {row_bytes} "
-                           f"plane, box {box_rows} x {box_bytes}, swizzle {swizzle}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for dims {dims}, strides "
+                           f"{strides}, box {box}, swizzle {swizzle}")
     return ctypes.string_at(at, 128)
 
 
@@ -357,14 +359,17 @@ def _encode_tensor_map(ptr: int, rows: int, row_bytes: int, box_rows: int, box_b
 def _tma_maps_at(l_ptr: int, r_ptr: int, rows: int, lrow: int, rrow: int, bs: int,
                  device: int) -> cp.ndarray:
     swz = {32: 1, 64: 2, 128: 3}
-    maps = _encode_tensor_map(l_ptr, rows, lrow, bs, 128, 3) + \
-        _encode_tensor_map(r_ptr, rows, rrow, bs, rrow, swz[rrow])
+    # L: (byte in a 128-byte column block, row, column block): one box is a whole pool block,
+    # laid out in shared memory as [column block][row][128 B] under the 128-byte swizzle
+    maps = _encode_tensor_map(l_ptr, (128, rows, lrow // 128), (lrow, 128),
+                              (128, bs, lrow // 128), 3) + \
+        _encode_tensor_map(r_ptr, (rrow, rows), (rrow,), (rrow, bs), swz[rrow])
     return cp.asarray(np.frombuffer(maps, np.uint8))
 
 
 def tma_maps(planes) -> cp.ndarray:
-    """Device copy of the tensor maps attn_wg's TMA path reads (L codes as bs x 128-byte
-    boxes, R codes as bs-row boxes), cached per plane address and shape."""
+    """Device copy of the tensor maps attn_wg's TMA path reads (L codes of a pool block as
+    one 3-D box, R codes as bs-row boxes), cached per plane address and shape."""
     nblk, bs, lrow = planes.l_codes.shape
     return _tma_maps_at(planes.l_codes.data.ptr, planes.r_codes.data.ptr, nblk * bs, lrow,
                         planes.r_codes.shape[2], bs, cp.cuda.Device().id)

@@ -26,9 +26,9 @@
 // threads: warps 0-3 and 4-7 are two consumer warpgroups, warp 8 the producer (warps 8-11
 // hand most of their registers to the consumers: setmaxnreg). The producer
 // copies each 64-token half-tile of raw rows into a ring of NSLOT slots, XOR-swizzled by
-// token so that both read patterns are bank-conflict free: with TMA=1 whole pool blocks as
-// tensor-map boxes (the hardware swizzle), with TMA=0 16-byte cp.async chunks per lane and
-// token. It writes the half-tile's valid-token mask beside it and signals an mbarrier;
+// token so that both read patterns are bank-conflict free: with TMA=1 each pool block of L
+// rows as one 3-D tensor-map box (the hardware swizzle), with TMA=0 16-byte cp.async chunks
+// per lane and token. It writes the half-tile's valid-token mask beside it and signals an mbarrier;
 // consumers release a slot through another mbarrier once every warp has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
 // 2*step + c (64 tokens x HN heads), both exchange the softmax numerators through P^T in
 // shared memory, and each accumulates O^T for its 256 latent dims over all 128 tokens.
@@ -104,6 +104,10 @@
 #define TMA 1                // 1: the tensor-memory-accelerator copies whole blocks (needs 16-byte
 #endif                       // aligned planes, bs % 8 == 0, RROW 32 / 64 / 128); 0: cp.async per lane
 #if TMA
+#ifndef BS
+#error "TMA=1 needs BS, the pool's block size (the rows of a box)"
+#endif
+static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the half-tile");
 #define RSTR RROW            // R rows unpadded, TMA 32/64/128-byte swizzle (= RROW)
 #define ALIGN1K(x) (((x) + 1023) / 1024 * 1024)
 #else
@@ -187,6 +191,11 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
 __device__ __forceinline__ void tma_2d(u32 dst, u64 map, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3}], [%4];" :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_3d(u32 dst, u64 map, int c0, int c1, int c2, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -314,15 +323,17 @@ __device__ __forceinline__ float eff_scale(float raw, float n) {
 #endif
 }
 
-// Byte offset of 16-byte unit u of token t's L row / R row within a slot's L / R region.
+// Byte offset of 16-byte unit u of token t = tc + tv's L row (tc a multiple of 8, known at
+// compile time in every caller; tv = 0..7) / of token t's R row within a slot's L / R region.
 // cp.async (TMA=0): L rows contiguous with u's low 3 bits XORed by t & 7; R rows padded.
-// TMA: L as [LROW / 128 column blocks][HT tokens][128 B] and R rows unpadded, both in the
-// hardware swizzle (unit bits XORed by bits 7.. of the row's address; slots 1024-aligned).
-__device__ __forceinline__ int l_off(int t, int u) {
+// TMA: L as [HT / BS pool blocks][LROW / 128 column blocks][BS tokens][128 B], the layout of
+// one 3-D box per block, and R rows unpadded, both in the hardware swizzle (unit bits XORed
+// by bits 7.. of the row's address, = t & 7 as BS % 8 == 0; slots 1024-aligned).
+__device__ __forceinline__ int l_off2(int tc, int tv, int u) {
 #if TMA
-    return (u >> 3) * (HT * 128) + t * 128 + (((u & 7) ^ (t & 7)) << 4);
+    return (tc / BS) * (BS * LROW) + (u >> 3) * (BS * 128) + (tc % BS + tv) * 128 + (((u & 7) ^ tv) << 4);
 #else
-    return t * LROW + ((u ^ (t & 7)) << 4);
+    return (tc + tv) * LROW + ((u ^ tv) << 4);
 #endif
 }
 __device__ __forceinline__ int r_off(int t, int u) {
@@ -378,22 +389,23 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // table loads overlap.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
 #if TMA
-        // Lane k copies block k of each half-tile (64 / bs blocks): the L rows as LROW / 128
-        // boxes of bs x 128 bytes and the R rows as one box (tensor maps at tmaps, 128 bytes
+        // Lane k copies block k of each half-tile (64 / BS blocks): the L rows as one 3-D box
+        // (128 bytes x BS rows x LROW / 128 column blocks: one request per block instead of
+        // one per column block) and the R rows as one 2-D box (tensor maps at tmaps, 128 bytes
         // each), the scales as two 1-D bulk copies. Lane 0 publishes the valid-token mask
         // and arms full(slot) with the half-tile's byte count before any copy is issued.
         if (warp == NCW) {
             const u64 map_l = (u64)tmaps, map_r = map_l + 128;
             if (lane == 0) {
-                if (smem_u32(smem) & 1023u) __trap();  // the swizzle assumes 1024-byte slots
+                if ((smem_u32(smem) & 1023u) || bs != BS) __trap();  // 1024-byte slots; BS = bs
                 asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(map_l) : "memory");
                 asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(map_r) : "memory");
             }
             __syncwarp();
-            const int nbk = HT / bs;
+            constexpr int nbk = HT / BS;
             auto block_of = [&](int h, int k) -> int {
-                const int t = t0 + h * HT + k * bs;
-                return h < nh && k < nbk && t < t1 ? table[t / bs] : -1;
+                const int t = t0 + h * HT + k * BS;
+                return h < nh && k < nbk && t < t1 ? table[t / BS] : -1;
             };
             int blk = block_of(0, lane);
             for (int h = 0; h < nh; ++h) {
@@ -401,23 +413,21 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
                 unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
                 const int ti = t0 + h * HT + lane;
-                const bool v0 = __shfl_sync(0xffffffffu, blk, lane / bs) >= 0 && ti < t1;
-                const bool v1 = __shfl_sync(0xffffffffu, blk, (lane + 32) / bs) >= 0 && ti + 32 < t1;
+                const bool v0 = __shfl_sync(0xffffffffu, blk, lane / BS) >= 0 && ti < t1;
+                const bool v1 = __shfl_sync(0xffffffffu, blk, (lane + 32) / BS) >= 0 && ti + 32 < t1;
                 const u32 m0 = __ballot_sync(0xffffffffu, v0), m1 = __ballot_sync(0xffffffffu, v1);
                 const u32 nblk = __popc(__ballot_sync(0xffffffffu, blk >= 0));
                 if (lane == 0) {
                     *(uint2*)(sp + SLOT_MK) = make_uint2(m0, m1);
-                    mbar_arrive_tx(full(slot), SKIPC ? 0u : nblk * (u32)bs * (LROW + RROW + 8));
+                    mbar_arrive_tx(full(slot), SKIPC ? 0u : nblk * (u32)BS * (LROW + RROW + 8));
                 }
                 __syncwarp();
                 if (blk >= 0 && !SKIPC) {
-                    const int row = blk * bs;
-#pragma unroll
-                    for (int cb = 0; cb < LROW / 128; ++cb)
-                        tma_2d(smem_u32(sp + SLOT_L + cb * (HT * 128) + lane * bs * 128), map_l, cb * 128, row, full(slot));
-                    tma_2d(smem_u32(sp + SLOT_R + lane * bs * RROW), map_r, 0, row, full(slot));
-                    bulk_copy(smem_u32(sp + SLOT_SL + lane * bs * 4), l_scale + row, bs * 4, full(slot));
-                    bulk_copy(smem_u32(sp + SLOT_SR + lane * bs * 4), r_scale + row, bs * 4, full(slot));
+                    const int row = blk * BS;
+                    tma_3d(smem_u32(sp + SLOT_L + lane * BS * LROW), map_l, 0, row, 0, full(slot));
+                    tma_2d(smem_u32(sp + SLOT_R + lane * BS * RROW), map_r, 0, row, full(slot));
+                    bulk_copy(smem_u32(sp + SLOT_SL + lane * BS * 4), l_scale + row, BS * 4, full(slot));
+                    bulk_copy(smem_u32(sp + SLOT_SR + lane * BS * 4), r_scale + row, BS * 4, full(slot));
                 }
                 blk = block_of(h + 1, lane);
             }
@@ -603,12 +613,16 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             // diag_wgmma_rate): lane l gives the address of row lt (rows ta for matrices
             // 0 and 2, tb for 1 and 3) at chunk u + l / 16; w[k] = {row ta, row tb} words of
             // k-step k (kv8: chunk = k-step; tq4: chunk = two k-steps, same words).
-            const u32 l_base = smem_u32(sp + SLOT_L) + lt * (TMA ? 128 : LROW);
+#if TMA
+            const u32 l_base = smem_u32(sp + SLOT_L) + (lt / BS) * (BS * LROW) + (lt % BS) * 128;
+#else
+            const u32 l_base = smem_u32(sp + SLOT_L) + lt * LROW;
+#endif
             const u32 r_base = smem_u32(sp + SLOT_R);
             auto l_addr = [&](int u, int x) {  // u even for x4 (x = lk), any for x2 (x = lx)
                 // (the XOR in volatile asm: computed where it is used, not hoisted and spilled)
 #if TMA
-                const u32 c = (u >> 3) * (HT * 128), o = (u & 7) << 4;
+                const u32 c = (u >> 3) * (BS * 128), o = (u & 7) << 4;
 #else
                 const u32 c = 0, o = u << 4;
 #endif
@@ -713,7 +727,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 // never multiplied.
                 uint4* lz = (uint4*)(sp + SLOT_L);
                 for (int u = (ctid & 127); u < HT * LROW / 16; u += 128) {
-                    const int t = (u >> 3) & (HT - 1);
+                    const int t = (u / (BS * LROW / 16)) * BS + ((u >> 3) & (BS - 1));
                     if (!(((t < 32 ? mk.x : mk.y) >> (t & 31)) & 1u)) lz[u] = make_uint4(0u, 0u, 0u, 0u);
                 }
                 fence_async_smem();  // before the slot's release lets the TMA write it again
@@ -829,15 +843,19 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         typedef u32 OW;
         const int oc = 8 * wgc + 2 * wi + (g >> 2), ooff = (g & 3) * 4;
 #endif
+        // this thread's two row offsets (tokens 2q, 2q + 1 of every 8; the rest is constant),
+        // through an opaque move so that ptxas keeps two registers instead of one per load
+        int ov[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            asm volatile("mov.b32 %0, %1;" : "=r"(ov[e]) : "r"(l_off2(0, 2 * q + e, oc) + ooff));
         auto raw_o = [&](OW* X, int kk) {
             const int hs = 2 * step + (kk >> 2);
             if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
             const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES + SLOT_L;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int t = 16 * (kk & 3) + 2 * q + (i & 1) + (i >> 1) * 8;
-                X[i] = *(const OW*)(sp + l_off(t, oc) + ooff);
-            }
+            for (int i = 0; i < 4; ++i)  // l_off2(tc, tv, u) = l_off2(tc, 0, 0) + l_off2(0, tv, u)
+                X[i] = *(const OW*)(sp + l_off2(16 * (kk & 3) + 8 * (i >> 1), 0, 0) + ov[i & 1]);
         };
         auto cvt_o = [&](u32 (*a)[4], const OW* X) {
 #if NOCVT && TIER == 1

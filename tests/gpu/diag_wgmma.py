@@ -9,11 +9,13 @@ reference and against attention.cu, per variant, printing errors instead of asse
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
                                    # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
                                    # TUNE_H=64 / TUNE_CVT=1 restrict the heads / kv8 cvt;
-                                   # BASE: the kernel in attention_sm90_base.cu)
+                                   # BASE: the kernel in attention_sm90_base.cu;
+                                   # BASE2D: the same with the 2-D L maps of before 12-01)
 
 Variants come from the environment the kernel reads: KVFLEET_CUDA_KV8_CVT (1 hardware
 conversion, 0 bit moves) and KVFLEET_CUDA_WG_TUNING (extra defines, e.g. "SKIPW=3").
 """
+import functools
 import os
 import sys
 
@@ -48,8 +50,9 @@ def errors(tier_name: str, H: int, seed: int, n_sm: int = 132) -> list[float]:
 
 
 def _base_kernel(shape, device):
-    """attn_wg compiled from kernels/cuda/attention_sm90_base.cu (a copy of the committed
-    kernel, e.g. `git show HEAD:kernels/cuda/attention_sm90.cu`): variant "BASE"."""
+    """attn_wg compiled from kernels/cuda/attention_sm90_base.cu (a copy of an earlier
+    kernel, e.g. `git show HEAD:kernels/cuda/attention_sm90.cu`): variant "BASE" (BASE2D:
+    one whose TMA path reads the 2-D L maps of _maps_2d, as before 2026-12-01)."""
     from kernels.cuda._build import set_dynamic_smem
     k = object.__new__(gpu._WgKernel)
     k.fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **shape.defines)
@@ -58,9 +61,24 @@ def _base_kernel(shape, device):
     return k
 
 
+def _maps_2d(planes):
+    """The tensor maps of kernels before 2026-12-01: L codes as 2-D boxes of bs rows x 128
+    bytes (one per column block), R codes as before (cached: graphs capture the launch)."""
+    nblk, bs, lrow = planes.l_codes.shape
+    return _maps_2d_at(planes.l_codes.data.ptr, planes.r_codes.data.ptr, nblk * bs, lrow,
+                       planes.r_codes.shape[2], bs)
+
+
+@functools.lru_cache(maxsize=8)
+def _maps_2d_at(l_ptr, r_ptr, rows, lrow, rrow, bs):
+    maps = gpu._encode_tensor_map(l_ptr, (lrow, rows), (lrow,), (128, bs), 3) + \
+        gpu._encode_tensor_map(r_ptr, (rrow, rows), (rrow,), (rrow, bs), {32: 1, 64: 2, 128: 3}[rrow])
+    return cp.asarray(np.frombuffer(maps, np.uint8))
+
+
 def tune(variants: list[str]) -> None:
     from cluster.bench.attention import _device_planes, _graph_time
-    wg_kernel = gpu._wg_kernel
+    wg_kernel, tma_maps = gpu._wg_kernel, gpu.tma_maps
     B, T = 16, 32768
     rng = np.random.default_rng(0)
     for tier_name in ("kv8", "tq4"):
@@ -73,9 +91,11 @@ def tune(variants: list[str]) -> None:
             for v in variants:
                 for cvt in (os.environ.get("TUNE_CVT", "1,0").split(",") if tier_name == "kv8"
                             else ("1",)):
-                    gpu._wg_kernel = _base_kernel if "BASE" in v.split(",") else wg_kernel
-                    defs = [x for x in v.split(",")
-                            if x and not x.startswith("TMA=") and x != "BASE"]
+                    names = v.split(",")
+                    gpu._wg_kernel = _base_kernel if {"BASE", "BASE2D"} & set(names) else wg_kernel
+                    gpu.tma_maps = _maps_2d if "BASE2D" in names else tma_maps
+                    defs = [x for x in names
+                            if x and not x.startswith("TMA=") and x not in ("BASE", "BASE2D")]
                     tma = [x[4:] for x in v.split(",") if x.startswith("TMA=")]
                     os.environ[gpu.TMA_ENV] = tma[-1] if tma else "1"
                     os.environ["KVFLEET_CUDA_WG_TUNING"] = ",".join(defs)
@@ -89,6 +109,7 @@ def tune(variants: list[str]) -> None:
         planes = tables = None
         cp.get_default_memory_pool().free_all_blocks()
     gpu._wg_kernel = wg_kernel
+    gpu.tma_maps = tma_maps
     os.environ.pop("KVFLEET_CUDA_WG_TUNING", None)
     os.environ.pop("KVFLEET_CUDA_KV8_CVT", None)
     os.environ.pop(gpu.TMA_ENV, None)
