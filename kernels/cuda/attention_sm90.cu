@@ -87,6 +87,9 @@
 #ifndef NOMMA
 #define NOMMA 0              // timing only (results wrong): 1 = no wgmma (operands still made)
 #endif
+#ifndef PROF
+#define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
+#endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof)
 
 #if TIER == 1
 #define LROW DL
@@ -149,6 +152,11 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 
+__device__ __forceinline__ unsigned long long clk64() {
+    unsigned long long c;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
+    return c;
+}
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -359,6 +367,12 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         float* __restrict__ ml_part, int Hpad) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31;
+    // PROF: 4096 u64 stamps per CTA past the end of o_part: [c * 512 + step * 8 + phase] for
+    // lane 0 of warp 4c, [1024 + h] the producer's issue of half-tile h, [2000..2002] start,
+    // end of the prologue, end of the epilogue
+    unsigned long long* prof = (unsigned long long*)(o_part + (size_t)gridDim.x * Hpad * DL) +
+                               ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 4096;
+    if (PROF && tid == 0) prof[2000] = clk64();
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);  // provably warp-uniform
     const int w_id = blockIdx.x, h0 = blockIdx.y * HN;
     const int qn = work[4 * w_id], trow = work[4 * w_id + 1];
@@ -411,6 +425,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             for (int h = 0; h < nh; ++h) {
                 const int slot = h % NSLOT;
                 if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
+                if (PROF && lane == 0 && h < 512) prof[1024 + h] = clk64();
                 unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
                 const int ti = t0 + h * HT + lane;
                 const bool v0 = __shfl_sync(0xffffffffu, blk, lane / BS) >= 0 && ti < t1;
@@ -546,6 +561,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         asm volatile("cp.async.wait_all;" ::: "memory");
         fence_async_smem();
         bar_sync(1, 256);
+        if (PROF && ctid == 0) prof[2001] = clk64();
     }
     const u32 pt_addr = smem_u32(smem + SM_PT);
     const u64 qt_desc = make_desc(smem_u32(smem + SM_QT), NJ * 128, 128);
@@ -563,7 +579,11 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     const int ta = 16 * wi + g, tb = ta + 8;  // this thread's S^T rows (tokens of a half-tile)
     const int lt = 16 * wi + (lane & 7) + (lane & 8);  // the row whose address it gives ldmatrix
 
+    auto stamp = [&](int step, int ph) {
+        if (PROF && wi == 0 && lane == 0 && step < 64) prof[wgc * 512 + step * 8 + ph] = clk64();
+    };
     for (int step = 0; 2 * step < nh; ++step) {
+        stamp(step, 0);
         if (SKIPW & 4) {  // timing only: the copy pipeline alone (consumers just release)
             for (int hs = 2 * step; hs < 2 * step + 2 && hs < nh; ++hs) {
                 mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
@@ -589,6 +609,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
             if (have) {
                 mbar_wait(full(slot), (hm / NSLOT) & 1);
+                stamp(step, 1);
                 const u32 mk = *(const u32*)(sp + SLOT_MK + 4 * (ta >> 5));  // ta, tb: same word
                 va = (mk >> (ta & 31)) & 1u;
                 vb = (mk >> (tb & 31)) & 1u;
@@ -743,6 +764,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
         }
 
+        stamp(step, 2);
         // ---- softmax: lazy reference max ----
         bool flag = (va && sla > 128.0f * c_ref) || (vb && slb > 128.0f * c_ref);
 #pragma unroll
@@ -751,7 +773,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             flag |= sacc[4 * j] > m.x + 8.0f || sacc[4 * j + 2] > m.x + 8.0f ||
                     sacc[4 * j + 1] > m.y + 8.0f || sacc[4 * j + 3] > m.y + 8.0f;
         }
-        if (bar_or(2, 256, flag)) {
+        const bool rescale = bar_or(2, 256, flag);
+        stamp(step, 3);
+        if (rescale) {
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -831,6 +855,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         }
         fence_async_smem();
         bar_sync(4, 256);
+        stamp(step, 4);
 
         // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----
         // 8 groups of 16 tokens; group kk + 1's raw words are read before waiting for group
@@ -919,6 +944,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             wg_commit();
             wg_wait<1>();
         }
+        stamp(step, 5);
     }
     wg_wait<0>();
 
@@ -957,5 +983,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             *(float4*)dst = make_float4(o[0][i0] * c_ref, o[0][i1] * c_ref, o[1][i0] * c_ref, o[1][i1] * c_ref);
             *(float4*)(dst + 4) = make_float4(o[2][i0] * c_ref, o[2][i1] * c_ref, o[3][i0] * c_ref, o[3][i1] * c_ref);
         }
+    if (PROF) {
+        bar_sync(3, 256);
+        if (ctid == 0) prof[2002] = clk64();
+    }
     }
 }

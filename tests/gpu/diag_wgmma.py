@@ -5,6 +5,8 @@ reference and against attention.cu, per variant, printing errors instead of asse
     python3 tests/gpu/diag_wgmma.py --log      # also the compiler log (ptxas -v)
     python3 tests/gpu/diag_wgmma.py --parts    # fixed cost of a call; qprep / attn_wg /
                                                # combine alone at 16 x 32768
+    python3 tests/gpu/diag_wgmma.py --prof     # where a step's time goes: clock64 stamps of
+                                               # each phase (PROF=1), 16 x 32768
     python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
                                    # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
@@ -162,7 +164,75 @@ def parts() -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def prof() -> None:
+    """attn_wg with PROF=1 at 16 x 32768: per phase of a step (copy wait, S^T, flag barrier,
+    P^T, O^T), the median over CTAs of the mean over the steady steps, in SM clock cycles
+    and in us (cycles converted by the kernel's own graph-timed duration)."""
+    from dataclasses import replace
+    from cluster.bench.attention import _device_planes, _graph_time
+    B, T = 16, 32768
+    rng = np.random.default_rng(0)
+    dev = cp.cuda.Device().id
+    for tier_name, H in (("kv8", 64), ("tq4", 64), ("kv8", 16), ("tq4", 16)):
+        tier = get_tier(tier_name)
+        planes, tables = _device_planes(tier, B, T, rng)
+        q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
+        q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
+        plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=1)
+        shape, groups = gpu._wg_shape(tier, H, DL, DR, planes.l_scale.shape[1])
+        ks = gpu._kernels(gpu.Shape(shape.tier_id, 1, 64, DL, DR), dev)
+        hpad, W = groups * shape.hn, plan.n_work
+        qh = cp.empty((B, hpad, DL + DR), cp.uint16)
+        qs = cp.empty((B, hpad), cp.float32)
+        ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H), np.int32(hpad),
+                                     np.float32(SCALE)))
+        ml_part = cp.zeros((W, hpad, 2), cp.float32)
+        nb, bs = tables.shape[1], planes.l_scale.shape[1]
+        lut, maps = gpu._tq_lut(dev), gpu.tma_maps(planes)
+        times = {}
+        for p in (0, 1):
+            wg = gpu._wg_kernel(replace(shape, tuning=shape.tuning + (("PROF", p),)), dev)
+            o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
+            fn = lambda: wg.fn((W, groups), (gpu.WG_THREADS,), (  # noqa: E731
+                qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+                np.int32(nb), np.int32(bs), plan.work, lut, maps, o_part, ml_part,
+                np.int32(hpad)), shared_mem=wg.smem)
+            times[p] = _graph_time(fn, 10)[0]
+        fn()
+        cp.cuda.Device().synchronize()
+        st = o_part.reshape(-1)[W * hpad * DL:].view(cp.uint64)[:W * groups * 4096].get()
+        st = st.reshape(W * groups, 4096)
+        st = st.astype(np.int64)
+        n = int(plan.chunk) // 128
+        t = st[:, :1024].reshape(-1, 2, 64, 8)[:, :, :n, :6]  # [cta, wg, step, phase]
+        total = np.median(st[:, 2002] - st[:, 2000])
+        ghz = total / (times[1] * 1e9)
+        print(f"prof {tier_name} H={H} 16x32768: attn_wg {1e3 * times[0]:.4f} ms (PROF=1 "
+              f"{1e3 * times[1]:.4f}), {total:.0f} cycles per CTA = {ghz:.2f} GHz; {n} steps",
+              flush=True)
+        lo, hi = 2, n - 2
+        names = ["wait full", "S^T", "flag+bar", "P^T+bar", "O^T"]
+        for c in (0, 1):
+            d = np.diff(t[:, c, lo:hi, :], axis=2)  # phases 0..5 -> 5 durations
+            step = np.diff(t[:, c, lo:hi + 1, 0], axis=1)
+            parts = [np.median(d[:, :, k].mean(axis=1)) for k in range(5)]
+            print(f"  wg{c} step {np.median(step.mean(axis=1)):.0f} cycles: " + ", ".join(
+                f"{nm} {v:.0f}" for nm, v in zip(names, parts)) +
+                f"; next-step gap {np.median((t[:, c, lo + 1:hi + 1, 0] - t[:, c, lo:hi, 5]).mean(axis=1)):.0f}",
+                flush=True)
+        pro = np.median(st[:, 2001] - st[:, 2000])
+        first = np.median(t[:, 0, 0, 0] - st[:, 2001])
+        epi = np.median(st[:, 2002] - t[:, :, n - 1, 5].max(axis=1))
+        print(f"  prologue {pro:.0f}, to the first step {first:.0f}, last step to the end {epi:.0f} "
+              f"cycles; step 0 {np.median(t[:, 0, 1, 0] - t[:, 0, 0, 0]):.0f}", flush=True)
+        planes = tables = None
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def main() -> None:
+    if "--prof" in sys.argv:
+        prof()
+        return
     if "--parts" in sys.argv:
         parts()
         return
