@@ -973,15 +973,25 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         ml[0] = sM[ctid];
         ml[1] = l;
     }
+    // The partial context through shared memory (the Q^T region: every warp is past the last
+    // S^T products): per (j, e) a warp holds 4 heads x 64 dims, lane (g, q) dims 8g..8g+7 of
+    // head 8j + 2q + e; rewritten as 4 rows of 64 + 4 floats (the pad spreads the banks) and
+    // stored by 8 lanes a head, so that each store instruction writes whole 32-byte sectors
+    // (the direct float4 stores wrote half sectors, 16 bytes apart).
+    float* stg = (float*)(smem + SM_QT) + cw * (4 * 68);
+    const int hq = lane >> 3, c8 = lane & 7;
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            float* dst = o_part + ((size_t)w_id * Hpad + h0 + 8 * j + 2 * q + e) * DL +
-                         256 * wgc + 64 * wi + 8 * g;
             const int i0 = 4 * j + e, i1 = 4 * j + 2 + e;
-            *(float4*)dst = make_float4(o[0][i0] * c_ref, o[0][i1] * c_ref, o[1][i0] * c_ref, o[1][i1] * c_ref);
-            *(float4*)(dst + 4) = make_float4(o[2][i0] * c_ref, o[2][i1] * c_ref, o[3][i0] * c_ref, o[3][i1] * c_ref);
+            *(float4*)(stg + q * 68 + 8 * g) = make_float4(o[0][i0] * c_ref, o[0][i1] * c_ref, o[1][i0] * c_ref, o[1][i1] * c_ref);
+            *(float4*)(stg + q * 68 + 8 * g + 4) = make_float4(o[2][i0] * c_ref, o[2][i1] * c_ref, o[3][i0] * c_ref, o[3][i1] * c_ref);
+            __syncwarp();
+            float* dst = o_part + ((size_t)w_id * Hpad + h0 + 8 * j + 2 * hq + e) * DL + 256 * wgc + 64 * wi;
+            *(float4*)(dst + 4 * c8) = *(const float4*)(stg + hq * 68 + 4 * c8);
+            *(float4*)(dst + 32 + 4 * c8) = *(const float4*)(stg + hq * 68 + 32 + 4 * c8);
+            __syncwarp();
         }
     if (PROF) {
         bar_sync(3, 256);
