@@ -386,11 +386,18 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), TMA ? 1 : 33 * PW); mbar_init(empty(s), NCW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    // Zero the ring: a token that is never copied (no block; past t1 with cp.async) then reads
-    // as zeros or as an earlier real row, never as NaN codes. (The TMA copies whole blocks, so
-    // the consumer that scores a kv8 half-tile zeroes its rows past t1 in shared memory.)
-    for (int u = tid; u < NSLOT * SLOT_BYTES / 16; u += NTHREADS)
-        ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
+    // Zero the ring where a slot can be read before a copy wrote it, so that a token never
+    // copied reads as zeros or as an earlier real row, never as kv8 NaN codes (0 weight x NaN
+    // in O^T). cp.async: rows past t1 and of missing blocks, anywhere. TMA: whole blocks are
+    // copied and the kv8 scorer zeroes a half-tile's masked rows itself; what is left is the
+    // slot of the missing half-tile of an odd count (its products run with zero weights),
+    // never written when nh < NSLOT. tq4 codes always decode to finite values.
+    {
+        const int z0 = TMA ? (TIER == 1 && (nh & 1) && nh < NSLOT ? nh : 0) : 0;
+        const int z1 = TMA ? (z0 ? nh + 1 : 0) : NSLOT;
+        for (int u = tid + z0 * (SLOT_BYTES / 16); u < z1 * (SLOT_BYTES / 16); u += NTHREADS)
+            ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
+    }
     fence_async_smem();  // the zeros before any TMA write
     __syncthreads();
 
@@ -516,33 +523,47 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     };
 #endif
     {
-        // Q^T in the permuted, canonical layout (u32 = two adjacent k), copied by cp.async
-        // so that all of a thread's words are in flight at once (plain loads and stores kept
-        // two in flight: about 15 us per CTA at 64 heads, waiting on L2). Warp w copies heads
-        // w, w + 8, ...; lane l the words p = l + 32 i of each. The offset of word p of head
-        // h is qt_k(p) + qt_h(h).
-        constexpr int NPW = (DK / 2 + 31) / 32;
-        const u32* src = (const u32*)(qh + ((size_t)qn * Hpad + h0) * DK);
-        int qt_k[NPW];
+        // Q^T in the permuted, canonical layout (u32 = two adjacent k). A 32-dim group of one
+        // head (64 bytes of qh, two k-steps) is four 16-byte loads, all of a thread's in flight
+        // at once, whose words make four 16-byte rows of core matrices, stored as such (4-byte
+        // cp.async per word took ~5 us per CTA at 64 heads). Consecutive threads take
+        // consecutive heads of a group, so that a warp's stores cover whole banks.
+        // kv8: k-step s0 + j of a group holds its words 8j..8j+7, row half b the words of
+        // parity b (k = 2 qd + e, see the dims' permutation); tq4: k-step s0 + a, half b the
+        // words 2a + b + 4t, t = 0..3 (the pair planes of two k-steps).
+        constexpr int NG = DK / 32, NIT = (HN * NG + 255) / 256;
+        const uint4* src = (const uint4*)(qh + ((size_t)qn * Hpad + h0) * DK);
+        uint4 v[NIT][4];
 #pragma unroll
-        for (int i = 0; i < NPW; ++i) {
-            const int d = 2 * (lane + 32 * i);
-            const int dl = d < DL ? d : d - DL, sb = d < DL ? 0 : KS_L;
-#if TIER == 1
-            const int s = sb + dl / 16, w = dl % 16, qd = w >> 2, e = w & 3;
-#else
-            const int r = dl & 31, s = sb + 2 * (dl >> 5) + ((r & 7) >> 2), qd = r >> 3, e = r & 3;
-#endif
-            const int k = e < 2 ? 2 * qd + e : 8 + 2 * qd + (e - 2);
-            qt_k[i] = (2 * s + (k >> 3)) * NJ * 128 + (k & 7) * 2;
+        for (int it = 0; it < NIT; ++it) {
+            const int idx = ctid + 256 * it, grp = idx / HN, h = idx % HN;
+            if (idx < HN * NG)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) v[it][c] = __ldg(src + (size_t)h * (DK / 8) + 4 * grp + c);
         }
-        const u32 qt_base = smem_u32(smem + SM_QT);
-        for (int h = cw; h < HN; h += NCW) {
-            const u32 qb = qt_base + (h >> 3) * 128 + (h & 7) * 16;
-            const u32* sh = src + (size_t)h * (DK / 2) + lane;
 #pragma unroll
-            for (int i = 0; i < NPW; ++i)
-                if (lane + 32 * i < DK / 2) cp_async4(qb + qt_k[i], sh + 32 * i);
+        for (int it = 0; it < NIT; ++it) {
+            const int idx = ctid + 256 * it, grp = idx / HN, h = idx % HN;
+            if (idx >= HN * NG) continue;
+            const int d0 = 32 * grp, dl = d0 < DL ? d0 : d0 - DL, sb = d0 < DL ? 0 : KS_L;
+            unsigned char* row = smem + SM_QT + (h >> 3) * 128 + (h & 7) * 16;
+            auto put = [&](int ks, int half, u32 w0, u32 w1, u32 w2, u32 w3) {
+                *(uint4*)(row + (2 * ks + half) * NJ * 128) = make_uint4(w0, w1, w2, w3);
+            };
+            const uint4* x = v[it];
+#if TIER == 1
+            const int s0 = sb + dl / 16;
+            put(s0, 0, x[0].x, x[0].z, x[1].x, x[1].z);
+            put(s0, 1, x[0].y, x[0].w, x[1].y, x[1].w);
+            put(s0 + 1, 0, x[2].x, x[2].z, x[3].x, x[3].z);
+            put(s0 + 1, 1, x[2].y, x[2].w, x[3].y, x[3].w);
+#else
+            const int s0 = sb + 2 * (dl >> 5);
+            put(s0, 0, x[0].x, x[1].x, x[2].x, x[3].x);
+            put(s0, 1, x[0].y, x[1].y, x[2].y, x[3].y);
+            put(s0 + 1, 0, x[0].z, x[1].z, x[2].z, x[3].z);
+            put(s0 + 1, 1, x[0].w, x[1].w, x[2].w, x[3].w);
+#endif
         }
         for (int h = ctid; h < HN; h += 256) {
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
@@ -558,8 +579,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             for (int j = 0; j < 8; ++j) row[(j + ctid) & 7] = make_uint4(v, v, v, v);
         }
 #endif
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        fence_async_smem();
+        fence_async_smem();  // Q^T (generic stores) before the wgmmas read it
         bar_sync(1, 256);
         if (PROF && ctid == 0) prof[2001] = clk64();
     }
