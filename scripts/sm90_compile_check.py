@@ -4,7 +4,7 @@ whether ptxas serialised the wgmmas (info C7514, or a wait for completion after 
 in the SASS), the number of local-memory loads inside the main loop and its length (the
 static instructions from the first to the last HGMMA of a step: what the consumer warps
 issue besides the products; at 64 heads session 4 took kv8 from 2158 to 1705, tq4 from 2725
-to 2244).
+to 2244; after session 5 kv8 1686 with 4 bytes of spills, tq4 2182 with none).
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
