@@ -133,7 +133,6 @@ class WgShape:
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
     bs: int = 16  # the pool's block size: rows of a TMA box (compiled in with the TMA only)
-    pp: int = 0   # 1: the consumer warpgroups ping-pong (three P^T buffers), 0: lockstep
     tuning: tuple = ()  # extra (name, value) defines from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1":
                         # SB, SW, PW and the timing-only knobs (attention_sm90.cu)
 
@@ -141,13 +140,13 @@ class WgShape:
     def defines(self) -> dict:
         bs = dict(BS=self.bs) if self.tma else {}
         return dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                    CVT=self.cvt, TMA=self.tma, PP=self.pp, **bs, **dict(self.tuning))
+                    CVT=self.cvt, TMA=self.tma, **bs, **dict(self.tuning))
 
     def shared_bytes(self) -> int:
         """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
         hn, dk = self.hn, self.dl + self.dr
         lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
-        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128 + 136 * hn * self.pp
+        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
         lut = 256 * 32 * 4 if self.tier_id == 2 else 0
         if self.tma:  # unpadded R rows; slots and the ring start 1024-byte aligned
             slot = -(-(64 * lrow + 64 * rrow + 2 * 64 * 4 + 16) // 1024) * 1024
@@ -182,14 +181,12 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
     hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
     tuning = _tuning(os.environ.get("KVFLEET_CUDA_WG_TUNING", ""))
-    pp = dict(tuning).get("PP", 0)  # (a field: it changes the shared memory)
-    tuning = tuple(kv for kv in tuning if kv[0] != "PP")
     rrow = dr if tier.kind == "fp8" else dr // 2
     # The TMA copies (whole blocks) beat cp.async everywhere (H200, 16 x 32k, ms: kv8 64h
     # 0.212 vs 0.234, 16h 0.134 vs 0.163; tq4 64h 0.247 vs 0.259, 16h 0.169 vs 0.184).
     tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128))
     for nslot in (6, 5, 4, 3):
-        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, bs, pp, tuning)
+        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, bs, tuning)
         if shape.shared_bytes() <= limit:
             return shape, -(-n_heads // hn)
     return None

@@ -87,12 +87,6 @@
 #ifndef NOMMA
 #define NOMMA 0              // timing only (results wrong): 1 = no wgmma (operands still made)
 #endif
-#ifndef PP
-#define PP 0                 // 1: the warpgroups ping-pong (see the consumer code), 0: lockstep
-#endif
-#if PP && (SKIPW || NOS || NOO)
-#error "SKIPW, NOS and NOO time the lockstep loop only"
-#endif
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof)
@@ -128,11 +122,11 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 
 // Shared memory carve-up (bytes).
 #define SM_QT 0                                  // Q^T: HN x DK f16, canonical (no swizzle)
-#define SM_PT (SM_QT + HN * DK * 2)              // P^T: HN x 128 f16, canonical (PP: 3 x HN x 64)
-#define SM_QS (SM_PT + HN * (PP ? 192 : 128) * 2)  // qscale[HN]
+#define SM_PT (SM_QT + HN * DK * 2)              // P^T: HN x 128 f16, canonical
+#define SM_QS (SM_PT + HN * 128 * 2)             // qscale[HN]
 #define SM_M (SM_QS + HN * 4)                    // reference max M[HN]
-#define SM_AL (SM_M + HN * 4)                    // rescale factors[HN] (PP: [3][HN])
-#define SM_RED (SM_AL + HN * 4 * (PP ? 3 : 1))   // [NCW][HN]
+#define SM_AL (SM_M + HN * 4)                    // rescale factors[HN]
+#define SM_RED (SM_AL + HN * 4)                  // [NCW][HN]
 #define SM_REDC (SM_RED + NCW * HN * 4)          // [NCW] warp max of sL, [NCW] = c
 #define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: full[NSLOT], empty[NSLOT]
 #define SM_LUT (SM_BAR + 8 * 2 * 8)
@@ -170,9 +164,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 }
 __device__ __forceinline__ void bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory");
 }
 __device__ __forceinline__ bool bar_or(int id, int n, bool v) {
     u32 r;
@@ -578,7 +569,6 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
             sM[h] = NEG_INF;
         }
-        if (PP && ctid == 0) sREDC[NCW] = 0.0f;  // the current c
 #if TIER == 2
         {
             // the pair table, one copy per bank: thread e writes entry e's 32 copies (16-byte
@@ -612,400 +602,6 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     auto stamp = [&](int step, int ph) {
         if (PROF && wi == 0 && lane == 0 && step < 64) prof[wgc * 512 + step * 8 + ph] = clk64();
     };
-#if PP
-    // ---------------- ping-pong (PP=1) ----------------
-    // Half-tile h is scored (S^T and softmax) by warpgroup h % 2 alone; both warpgroups add
-    // every half-tile to their half of O^T, in order of h. Warpgroup c runs, for h = c, c + 2, ...
-    //     S(h) | wait for sm(h - 1) | sm(h) | O(h - 1), O(h)
-    // so that one warpgroup's softmax (and a wait for its copy) overlaps the other's products;
-    // the only coupling is the chain sm(h - 1) -> sm(h) (named barriers 6 / 7: arrive by the
-    // scorer of h - 1, sync by the scorer of h). M and c change only in sm(h), which publishes
-    // beside P^T(h) whether it moved them and by what factors; a warpgroup rescales its O^T by
-    // them before adding P^T(h), and its lsum (sums of its own p) in its next sm, so that the
-    // factors compose in order of h. Three P^T buffers: sm(h) reuses h - 3's, which both
-    // warpgroups' products had finished (the S^T chain's last wait) before sm(h - 1) arrived.
-    float* sAC = sREDC + NCW;  // [0] current c; [1 + b] moved, [4 + b] c ratio, of buffer b
-    const int wt = ctid & 127;
-#if TIER == 1
-    typedef uint2 OW;
-    const int oc = 16 * wgc + 4 * wi + (g >> 1), ooff = (g & 1) * 8;
-#else
-    typedef u32 OW;
-    const int oc = 8 * wgc + 2 * wi + (g >> 2), ooff = (g & 3) * 4;
-#endif
-    int ov[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-        asm volatile("mov.b32 %0, %1;" : "=r"(ov[e]) : "r"(l_off2(0, 2 * q + e, oc) + ooff));
-    auto raw_o = [&](OW* X, int hs, int kk) {  // kk: the 16-token group of half-tile hs
-        if (kk == 0 && (hs & 1) != wgc) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);  // (seen)
-        const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES + SLOT_L;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            X[i] = *(const OW*)(sp + l_off2(16 * kk + 8 * (i >> 1), 0, 0) + ov[i & 1]);
-    };
-    auto cvt_o = [&](u32 (*a)[4], const OW* X) {
-#if NOCVT && TIER == 1
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-            a[mt][0] = mt < 2 ? X[0].x : X[0].y; a[mt][1] = mt < 2 ? X[1].x : X[1].y;
-            a[mt][2] = mt < 2 ? X[2].x : X[2].y; a[mt][3] = mt < 2 ? X[3].x : X[3].y;
-        }
-#elif NOCVT
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-            a[mt][0] = X[0] >> mt; a[mt][1] = X[1] >> mt; a[mt][2] = X[2] >> mt; a[mt][3] = X[3] >> mt;
-        }
-#elif TIER == 1
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-            const int b = 2 * (mt & 1);
-            const u32 sel = b | ((4 + b) << 4) | ((b + 1) << 8) | ((5 + b) << 12);
-            const u32 p01 = mt < 2 ? prmt(X[0].x, X[1].x, sel) : prmt(X[0].y, X[1].y, sel);
-            const u32 p23 = mt < 2 ? prmt(X[2].x, X[3].x, sel) : prmt(X[2].y, X[3].y, sel);
-            e4m3x4(p01, a[mt][0], a[mt][1]);
-            e4m3x4(p23, a[mt][2], a[mt][3]);
-        }
-#else
-        const u32 ev01 = (X[0] & 0x0F0F0F0Fu) | ((X[1] << 4) & 0xF0F0F0F0u);
-        const u32 od01 = ((X[0] >> 4) & 0x0F0F0F0Fu) | (X[1] & 0xF0F0F0F0u);
-        const u32 ev23 = (X[2] & 0x0F0F0F0Fu) | ((X[3] << 4) & 0xF0F0F0F0u);
-        const u32 od23 = ((X[2] >> 4) & 0x0F0F0F0Fu) | (X[3] & 0xF0F0F0F0u);
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-            a[mt][0] = lut_at(ev01, mt);
-            a[mt][1] = lut_at(od01, mt);
-            a[mt][2] = lut_at(ev23, mt);
-            a[mt][3] = lut_at(od23, mt);
-        }
-#endif
-    };
-    for (int h = wgc; h - 1 < nh; h += 2) {
-        const int step = h >> 1;  // (for the PROF stamps)
-        stamp(step, 0);
-        const bool mine = h < nh;
-        const int hm = h;
-        const bool have = mine;
-        const int pb = h % 3;  // P^T buffer of h
-        int lx, lk;
-        asm volatile("mov.b32 %0, %1;" : "=r"(lx) : "r"((lane & 7) << 4));
-        asm volatile("mov.b32 %0, %1;" : "=r"(lk) : "r"(((lane & 7) << 4) ^ (lane & 16)));
-        float sacc[NJ * 4];
-        bool va = false, vb = false;
-        float sla = 0.0f, slb = 0.0f;
-        if (mine) {
-            // Without a half-tile (odd count, last step) the products run on whatever the
-            // slot holds (finite codes) and every score is masked: no divergent wgmma.
-            const int slot = hm % NSLOT;
-            const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
-            if (have) {
-                mbar_wait(full(slot), (hm / NSLOT) & 1);
-                stamp(step, 1);
-                const u32 mk = *(const u32*)(sp + SLOT_MK + 4 * (ta >> 5));  // ta, tb: same word
-                va = (mk >> (ta & 31)) & 1u;
-                vb = (mk >> (tb & 31)) & 1u;
-            }
-            const float* ssl = (const float*)(sp + SLOT_SL);
-            const float* ssr = (const float*)(sp + SLOT_SR);
-            float sra = 0.0f, srb = 0.0f;
-            if (va) { sla = eff_scale(ssl[ta], (float)DL); sra = eff_scale(ssr[ta], (float)DR); }
-            if (vb) { slb = eff_scale(ssl[tb], (float)DL); srb = eff_scale(ssr[tb], (float)DR); }
-            float rho_a, fin_a, rho_b, fin_b;
-            row_factors(sla, sra, rho_a, fin_a);
-            row_factors(slb, srb, rho_b, fin_b);
-            // S^T as one chain of k-steps, SB per wgmma group: the rope part, then (once it
-            // is done) the rows rescaled to the L scale, then the latent part. The raw words
-            // of group gi + 1 are read before waiting for group gi - 1, so their latency
-            // overlaps the products. (A second accumulator for the rope part would avoid the
-            // rescale but needs 32 more registers: spills, and ptxas serialises every wgmma.)
-            static_assert(KS_L % SB == 0 && SB % 2 == 0 && (TIER == 1 || SB == 2 || SB % 4 == 0),
-                          "SB: divides the latent k-steps; even (kv8), 2 or a multiple of 4 (tq4)");
-            // Raw words by ldmatrix (one instruction for 2 chunks of 16 bytes x 16 rows; 4
-            // 32-bit loads gave the tensor cores 730 instead of 897 TFLOP/s in
-            // diag_wgmma_rate): lane l gives the address of row lt (rows ta for matrices
-            // 0 and 2, tb for 1 and 3) at chunk u + l / 16; w[k] = {row ta, row tb} words of
-            // k-step k (kv8: chunk = k-step; tq4: chunk = two k-steps, same words).
-#if TMA
-            const u32 l_base = smem_u32(sp + SLOT_L) + (lt / BS) * (BS * LROW) + (lt % BS) * 128;
-#else
-            const u32 l_base = smem_u32(sp + SLOT_L) + lt * LROW;
-#endif
-            const u32 r_base = smem_u32(sp + SLOT_R);
-            auto l_addr = [&](int u, int x) {  // u even for x4 (x = lk), any for x2 (x = lx)
-                // (the XOR in volatile asm: computed where it is used, not hoisted and spilled)
-#if TMA
-                const u32 c = (u >> 3) * (BS * 128), o = (u & 7) << 4;
-#else
-                const u32 c = 0, o = u << 4;
-#endif
-                u32 r;
-                asm volatile("xor.b32 %0, %1, %2;" : "=r"(r) : "r"(o), "r"(x));
-                return l_base + c + r;
-            };
-            constexpr int CPS = TIER == 1 ? 1 : 2;  // k-steps per chunk
-            auto raw_g = [&](u32 (*w)[2], int gi) {  // latent group gi: k-steps gi * SB ...
-                const int c0 = gi * SB / CPS;
-#pragma unroll
-                for (int c = 0; c < SB / CPS; c += 2) {
-                    u32 r[4];
-                    if (c + 1 < SB / CPS) ldsm_x4(l_addr(c0 + c, lk), r);
-                    else ldsm_x2(l_addr(c0 + c, lx), r);
-#pragma unroll
-                    for (int e = 0; e < CPS; ++e) {
-                        w[c * CPS + e][0] = r[0]; w[c * CPS + e][1] = r[1];
-                        if (c + 1 < SB / CPS) { w[(c + 1) * CPS + e][0] = r[2]; w[(c + 1) * CPS + e][1] = r[3]; }
-                    }
-                }
-            };
-            auto raw_r = [&](u32 (*w)[2]) {  // rope: KS_R k-steps, RCH chunks
-#pragma unroll
-                for (int c = 0; c < RCH; c += 2) {
-                    u32 r[4];
-                    if (c + 1 < RCH) ldsm_x4(r_base + r_off(lt, c + ((lane >> 4) & 1)), r);
-                    else ldsm_x2(r_base + r_off(lt, c), r);
-#pragma unroll
-                    for (int e = 0; e < CPS; ++e) {
-                        w[c * CPS + e][0] = r[0]; w[c * CPS + e][1] = r[1];
-                        if (c + 1 < RCH) { w[(c + 1) * CPS + e][0] = r[2]; w[(c + 1) * CPS + e][1] = r[3]; }
-                    }
-                }
-            };
-            auto cvt_s = [&](u32* a, const u32* w, int s) {
-#if NOCVT
-                (void)s;
-                a[0] = w[0]; a[1] = w[1]; a[2] = w[0] >> 16; a[3] = w[1] >> 16;
-#elif TIER == 1
-                (void)s;
-                e4m3x4(w[0], a[0], a[2]);
-                e4m3x4(w[1], a[1], a[3]);
-#else
-                const int sh = (s & 1) * 16;  // KS_R is even: the parity of s is the plane's
-                a[0] = lut_at(w[0], sh / 8);
-                a[1] = lut_at(w[1], sh / 8);
-                a[2] = lut_at(w[0], sh / 8 + 1);
-                a[3] = lut_at(w[1], sh / 8 + 1);
-#endif
-            };
-#if NOS
-#pragma unroll
-            for (int i = 0; i < NJ * 4; ++i) sacc[i] = (float)(i & 3) - 8.0f * (float)(rho_a + rho_b);
-#else
-            {
-                // rope part: one commit group, then the rows rescaled to the L scale
-                u32 wr[KS_R][2], a[KS_R][4];
-                raw_r(wr);
-                wg_fence();
-#pragma unroll
-                for (int k = 0; k < KS_R; ++k) {
-                    cvt_s(a[k], wr[k], k);
-                    wgmma_hn(sacc, a[k], qt_desc, (KS_L + k) * 2 * NJ * 8, k > 0);
-                }
-                wg_commit();
-            }
-            u32 w[2][SB][2];
-            raw_g(w[0], 0);
-            wg_wait<0>();
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                sacc[4 * j] *= rho_a; sacc[4 * j + 1] *= rho_a;
-                sacc[4 * j + 2] *= rho_b; sacc[4 * j + 3] *= rho_b;
-            }
-            // latent part: SB steps per group
-#pragma unroll
-            for (int gi = 0; gi < KS_L / SB; ++gi) {
-                u32 a[SB][4];
-#pragma unroll
-                for (int u = 0; u < SB; ++u) cvt_s(a[u], w[gi & 1][u], KS_R + gi * SB + u);
-                if (gi + 1 < KS_L / SB) raw_g(w[(gi + 1) & 1], gi + 1);
-                wg_fence();
-#pragma unroll
-                for (int u = 0; u < SB; ++u)
-                    wgmma_hn(sacc, a[u], qt_desc, (gi * SB + u) * 2 * NJ * 8, 1);
-                wg_commit();
-                wg_wait<SW>();
-            }
-            wg_wait<0>();
-#endif
-#if TMA && TIER == 1
-            const uint2 mk = *(const uint2*)(sp + SLOT_MK);  // (no half-tile: finite codes)
-            if (have && (mk.x & mk.y) != ~0u) {
-                // The TMA copies whole blocks, so tokens past t1 hold whatever the pool has
-                // there (kv8 NaN codes would meet their zero weights in O^T), and tokens of
-                // missing blocks stale rows: zero their L codes before P^T is published
-                // (the bar_or below orders this before every warp's O^T reads). Rare: the
-                // last half-tile of a work item, or a table with holes. Other warps of this
-                // warpgroup may still be reading these rows for S^T: harmless, as only
-                // masked rows are written and their scores are selected away (NEG_INF),
-                // never multiplied.
-                uint4* lz = (uint4*)(sp + SLOT_L);
-                for (int u = (ctid & 127); u < HT * LROW / 16; u += 128) {
-                    const int t = (u / (BS * LROW / 16)) * BS + ((u >> 3) & (BS - 1));
-                    if (!(((t < 32 ? mk.x : mk.y) >> (t & 31)) & 1u)) lz[u] = make_uint4(0u, 0u, 0u, 0u);
-                }
-                fence_async_smem();  // before the slot's release lets the TMA write it again
-            }
-#endif
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const float2 qs = *(const float2*)(sQS + 8 * j + 2 * q);
-                sacc[4 * j] = va ? sacc[4 * j] * fin_a * qs.x : NEG_INF;
-                sacc[4 * j + 1] = va ? sacc[4 * j + 1] * fin_a * qs.y : NEG_INF;
-                sacc[4 * j + 2] = vb ? sacc[4 * j + 2] * fin_b * qs.x : NEG_INF;
-                sacc[4 * j + 3] = vb ? sacc[4 * j + 3] * fin_b * qs.y : NEG_INF;
-            }
-        }
-
-        stamp(step, 2);
-        // sm(h - 1) is done: M, c and P^T(h - 1) with its record are published
-        if (h >= 1) bar_sync(6 + (wgc ^ 1), 256);
-        stamp(step, 3);
-        if (mine) {
-            // ---- sm(h): lazy reference max, as in the lockstep loop, within this warpgroup ----
-            float c_ref = sAC[0];
-            bool flag = (va && sla > 128.0f * c_ref) || (vb && slb > 128.0f * c_ref);
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-                flag |= sacc[4 * j] > m.x + 8.0f || sacc[4 * j + 2] > m.x + 8.0f ||
-                        sacc[4 * j + 1] > m.y + 8.0f || sacc[4 * j + 3] > m.y + 8.0f;
-            }
-            if (h >= 1 && sAC[1 + (h - 1) % 3] != 0.0f) {  // lsum follows sm(h - 1)'s move
-                const float* alp = sAL + ((h - 1) % 3) * HN;
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const float2 a2 = *(const float2*)(alp + 8 * j + 2 * q);
-                    lsum[2 * j] *= a2.x;
-                    lsum[2 * j + 1] *= a2.y;
-                }
-            }
-            float* al = sAL + pb * HN;
-            if (bar_or(8 + wgc, 128, flag)) {
-#pragma unroll
-                for (int j = 0; j < NJ; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float mx = fmaxf(sacc[4 * j + e], sacc[4 * j + 2 + e]);
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-                        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-                        if (g == 0) sRED[cw * HN + 8 * j + 2 * q + e] = mx;
-                    }
-                float cm = fmaxf(va ? sla : 0.0f, vb ? slb : 0.0f);
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
-                if (lane == 0) sREDC[cw] = cm;
-                bar_sync(10 + wgc, 128);
-                if (wt < HN) {
-                    const float mo = sM[wt];
-                    float mn = mo;
-#pragma unroll
-                    for (int w = 0; w < 4; ++w) mn = fmaxf(mn, sRED[(4 * wgc + w) * HN + wt]);
-                    al[wt] = mn == NEG_INF ? 1.0f : fast_exp2(mo - mn);
-                    sM[wt] = mn;
-                }
-                if (wt == 127) {
-                    float cn = c_ref;
-#pragma unroll
-                    for (int w = 0; w < 4; ++w) cn = fmaxf(cn, sREDC[4 * wgc + w]);
-                    sAC[4 + pb] = c_ref > 0.0f ? div_fast(c_ref, cn) : 1.0f;
-                    sAC[1 + pb] = 1.0f;
-                    sAC[0] = cn;
-                }
-                bar_sync(10 + wgc, 128);
-                c_ref = sAC[0];
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const float2 a2 = *(const float2*)(al + 8 * j + 2 * q);
-                    lsum[2 * j] *= a2.x;
-                    lsum[2 * j + 1] *= a2.y;
-                }
-            } else if (wt == 0) {
-                sAC[1 + pb] = 0.0f;
-            }
-            // numerators -> P^T(h) (f16, weights p * sL / c)
-            const float inv_c = c_ref > 0.0f ? div_fast(1.0f, c_ref) : 0.0f;
-            const float wfa = va ? sla * inv_c : 0.0f, wfb = vb ? slb * inv_c : 0.0f;
-            u32 pr[NJ][2];
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-                m.x = m.x == NEG_INF ? 0.0f : m.x;
-                m.y = m.y == NEG_INF ? 0.0f : m.y;
-                const float p0 = fast_exp2(sacc[4 * j] - m.x), p1 = fast_exp2(sacc[4 * j + 1] - m.y);
-                const float p2 = fast_exp2(sacc[4 * j + 2] - m.x), p3 = fast_exp2(sacc[4 * j + 3] - m.y);
-                lsum[2 * j] += p0 + p2;
-                lsum[2 * j + 1] += p1 + p3;
-                pr[j][0] = pack_h2(p0 * wfa, p1 * wfa);
-                pr[j][1] = pack_h2(p2 * wfb, p3 * wfb);
-            }
-            const int m4 = lane >> 3, k8 = lane & 7;
-#pragma unroll
-            for (int jp = 0; jp < NJ / 2; ++jp) {
-                const int jj = 2 * jp + (m4 >> 1), r = m4 & 1;
-                const u32 addr = pt_addr + pb * (HN * 128) + (((2 * wi + r) * NJ + jj) * 8 + k8) * 16;
-                stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
-            }
-            fence_async_smem();
-            bar_sync(10 + wgc, 128);       // P^T(h) whole for this warpgroup's own O(h)
-            bar_arrive(6 + wgc, 256);      // and for the other's, and sm(h + 1) may start
-        }
-        stamp(step, 4);
-        // ---- O^T += V^T P^T over half-tiles h - 1 and h (those that exist), in order ----
-        const int hb = h >= 1 ? h - 1 : h, he = mine ? h : h - 1;
-        OW X[2][4];
-        raw_o(X[0], hb, 0);
-        for (int hs = hb; hs <= he; ++hs) {
-            const int b = hs % 3;
-            if (sAC[1 + b] != 0.0f) {  // sm(hs) moved M / c: bring O^T along
-                wg_wait<0>();
-                const float cf = sAC[4 + b];
-                const float* alb = sAL + b * HN;
-#pragma unroll
-                for (int j = 0; j < NJ; ++j) {
-                    const float2 a2 = *(const float2*)(alb + 8 * j + 2 * q);
-                    const float f0 = a2.x * cf, f1 = a2.y * cf;
-#pragma unroll
-                    for (int mt = 0; mt < 4; ++mt) {
-                        o[mt][4 * j] *= f0; o[mt][4 * j + 2] *= f0;
-                        o[mt][4 * j + 1] *= f1; o[mt][4 * j + 3] *= f1;
-                    }
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                u32 a[4][4];
-                cvt_o(a, X[kk & 1]);
-                if (kk == 3) {  // every read of this half-tile is done
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(empty(hs % NSLOT));
-                    if (hs < he) raw_o(X[0], hs + 1, 0);
-                } else {
-                    raw_o(X[(kk + 1) & 1], hs, kk + 1);
-                }
-                wg_fence();
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt)
-                    wgmma_hn(o[mt], a[mt], pt_desc, b * (HN * 8) + kk * 2 * NJ * 8, 1);
-                wg_commit();
-                wg_wait<1>();
-            }
-        }
-        stamp(step, 5);
-    }
-    wg_wait<0>();
-    c_ref = sAC[0];  // final: this warpgroup has added P^T(nh - 1), after sm(nh - 1)
-    // lsum follows M through this warpgroup's own sm(h) only: catch up with a last sm of the other
-    if (nh >= 1 && ((nh - 1) & 1) != wgc && sAC[1 + (nh - 1) % 3] != 0.0f) {
-        const float* alp = sAL + ((nh - 1) % 3) * HN;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            const float2 a2 = *(const float2*)(alp + 8 * j + 2 * q);
-            lsum[2 * j] *= a2.x;
-            lsum[2 * j + 1] *= a2.y;
-        }
-    }
-#else
-
     for (int step = 0; 2 * step < nh; ++step) {
         stamp(step, 0);
         if (SKIPW & 4) {  // timing only: the copy pipeline alone (consumers just release)
@@ -1371,7 +967,6 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         stamp(step, 5);
     }
     wg_wait<0>();
-#endif
 
     // ---- epilogue: (max, sum) per head, partial context * c ----
 #pragma unroll
