@@ -355,15 +355,17 @@ def _encode_tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple,
     return ctypes.string_at(at, 128)
 
 
+TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}  # row bytes -> CU_TENSOR_MAP_SWIZZLE_32B / 64B / 128B
+
+
 @functools.lru_cache(maxsize=64)
 def _tma_maps_at(l_ptr: int, r_ptr: int, rows: int, lrow: int, rrow: int, bs: int,
                  device: int) -> cp.ndarray:
-    swz = {32: 1, 64: 2, 128: 3}
     # L: (byte in a 128-byte column block, row, column block): one box is a whole pool block,
     # laid out in shared memory as [column block][row][128 B] under the 128-byte swizzle
     maps = _encode_tensor_map(l_ptr, (128, rows, lrow // 128), (lrow, 128),
                               (128, bs, lrow // 128), 3) + \
-        _encode_tensor_map(r_ptr, (rrow, rows), (rrow,), (rrow, bs), swz[rrow])
+        _encode_tensor_map(r_ptr, (rrow, rows), (rrow,), (rrow, bs), TMA_SWIZZLE[rrow])
     return cp.asarray(np.frombuffer(maps, np.uint8))
 
 

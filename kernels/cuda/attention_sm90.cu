@@ -393,8 +393,11 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     // slot of the missing half-tile of an odd count (its products run with zero weights),
     // never written when nh < NSLOT. tq4 codes always decode to finite values.
     {
-        const int z0 = TMA ? (TIER == 1 && (nh & 1) && nh < NSLOT ? nh : 0) : 0;
-        const int z1 = TMA ? (z0 ? nh + 1 : 0) : NSLOT;
+#if TMA
+        const int z0 = nh, z1 = TIER == 1 && (nh & 1) && nh < NSLOT ? nh + 1 : nh;  // slots [z0, z1)
+#else
+        const int z0 = 0, z1 = NSLOT;
+#endif
         for (int u = tid + z0 * (SLOT_BYTES / 16); u < z1 * (SLOT_BYTES / 16); u += NTHREADS)
             ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
     }
@@ -998,19 +1001,20 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     // head 8j + 2q + e; rewritten as 4 rows of 64 + 4 floats (the pad spreads the banks) and
     // stored by 8 lanes a head, so that each store instruction writes whole 32-byte sectors
     // (the direct float4 stores wrote half sectors, 16 bytes apart).
-    float* stg = (float*)(smem + SM_QT) + cw * (4 * 68);
+    constexpr int SROW = 64 + 4;  // floats per staged head row
+    float* stg = (float*)(smem + SM_QT) + cw * (4 * SROW);
     const int hq = lane >> 3, c8 = lane & 7;
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int i0 = 4 * j + e, i1 = 4 * j + 2 + e;
-            *(float4*)(stg + q * 68 + 8 * g) = make_float4(o[0][i0] * c_ref, o[0][i1] * c_ref, o[1][i0] * c_ref, o[1][i1] * c_ref);
-            *(float4*)(stg + q * 68 + 8 * g + 4) = make_float4(o[2][i0] * c_ref, o[2][i1] * c_ref, o[3][i0] * c_ref, o[3][i1] * c_ref);
+            *(float4*)(stg + q * SROW + 8 * g) = make_float4(o[0][i0] * c_ref, o[0][i1] * c_ref, o[1][i0] * c_ref, o[1][i1] * c_ref);
+            *(float4*)(stg + q * SROW + 8 * g + 4) = make_float4(o[2][i0] * c_ref, o[2][i1] * c_ref, o[3][i0] * c_ref, o[3][i1] * c_ref);
             __syncwarp();
             float* dst = o_part + ((size_t)w_id * Hpad + h0 + 8 * j + 2 * hq + e) * DL + 256 * wgc + 64 * wi;
-            *(float4*)(dst + 4 * c8) = *(const float4*)(stg + hq * 68 + 4 * c8);
-            *(float4*)(dst + 32 + 4 * c8) = *(const float4*)(stg + hq * 68 + 32 + 4 * c8);
+            *(float4*)(dst + 4 * c8) = *(const float4*)(stg + hq * SROW + 4 * c8);
+            *(float4*)(dst + 32 + 4 * c8) = *(const float4*)(stg + hq * SROW + 32 + 4 * c8);
             __syncwarp();
         }
     if (PROF) {

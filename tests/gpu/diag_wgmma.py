@@ -74,7 +74,7 @@ def _maps_2d(planes):
 @functools.lru_cache(maxsize=8)
 def _maps_2d_at(l_ptr, r_ptr, rows, lrow, rrow, bs):
     maps = gpu._encode_tensor_map(l_ptr, (lrow, rows), (lrow,), (128, bs), 3) + \
-        gpu._encode_tensor_map(r_ptr, (rrow, rows), (rrow,), (rrow, bs), {32: 1, 64: 2, 128: 3}[rrow])
+        gpu._encode_tensor_map(r_ptr, (rrow, rows), (rrow,), (rrow, bs), gpu.TMA_SWIZZLE[rrow])
     return cp.asarray(np.frombuffer(maps, np.uint8))
 
 
@@ -201,8 +201,7 @@ def prof() -> None:
         fn()
         cp.cuda.Device().synchronize()
         st = o_part.reshape(-1)[W * hpad * DL:].view(cp.uint64)[:W * groups * 4096].get()
-        st = st.reshape(W * groups, 4096)
-        st = st.astype(np.int64)
+        st = st.reshape(W * groups, 4096).astype(np.int64)
         n = int(plan.chunk) // 128
         t = st[:, :1024].reshape(-1, 2, 64, 8)[:, :, :n, :6]  # [cta, wg, step, phase]
         total = np.median(st[:, 2002] - st[:, 2000])
@@ -215,9 +214,9 @@ def prof() -> None:
         for c in (0, 1):
             d = np.diff(t[:, c, lo:hi, :], axis=2)  # phases 0..5 -> 5 durations
             step = np.diff(t[:, c, lo:hi + 1, 0], axis=1)
-            parts = [np.median(d[:, :, k].mean(axis=1)) for k in range(5)]
+            durs = [np.median(d[:, :, k].mean(axis=1)) for k in range(5)]
             print(f"  wg{c} step {np.median(step.mean(axis=1)):.0f} cycles: " + ", ".join(
-                f"{nm} {v:.0f}" for nm, v in zip(names, parts)) +
+                f"{nm} {v:.0f}" for nm, v in zip(names, durs)) +
                 f"; next-step gap {np.median((t[:, c, lo + 1:hi + 1, 0] - t[:, c, lo:hi, 5]).mean(axis=1)):.0f}",
                 flush=True)
         pro = np.median(st[:, 2001] - st[:, 2000])
