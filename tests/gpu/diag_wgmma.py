@@ -6,7 +6,12 @@ reference and against attention.cu, per variant, printing errors instead of asse
     python3 tests/gpu/diag_wgmma.py --parts    # fixed cost of a call; qprep / attn_wg /
                                                # combine alone at 16 x 32768
     python3 tests/gpu/diag_wgmma.py --prof     # where a step's time goes: clock64 stamps of
-                                               # each phase (PROF=1), 16 x 32768
+                                               # each phase (PROF=1), 16 x 32768, and each
+                                               # half-tile's copy latency (issue to arrival);
+                                               # PROF_CASES=kv8/64,tq4/16 picks the cases,
+                                               # PROF_B=16,4 the slots (fewer: SMs left idle,
+                                               # the same 4096-token chunk), PROF_BASE=1 the
+                                               # kernel in attention_sm90_base.cu
     python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
                                    # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
@@ -170,15 +175,20 @@ def prof() -> None:
     and in us (cycles converted by the kernel's own graph-timed duration)."""
     from dataclasses import replace
     from cluster.bench.attention import _device_planes, _graph_time
-    B, T = 16, 32768
+    T = 32768
     rng = np.random.default_rng(0)
     dev = cp.cuda.Device().id
-    for tier_name, H in (("kv8", 64), ("tq4", 64), ("kv8", 16), ("tq4", 16)):
+    cases = [(t, h, b) for b in (int(x) for x in os.environ.get("PROF_B", "16").split(","))
+             for t, h in (("kv8", 64), ("tq4", 64), ("kv8", 16), ("tq4", 16))
+             if f"{t}/{h}" in os.environ.get("PROF_CASES", "kv8/64,tq4/64,kv8/16,tq4/16")]
+    for tier_name, H, B in cases:
         tier = get_tier(tier_name)
         planes, tables = _device_planes(tier, B, T, rng)
         q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
         q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
-        plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=1)
+        # B < 16: fewer CTAs of the same chunk (as many SMs idle): the copies' contention
+        plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), n_sm=132 * B // 16,
+                               ctas_per_sm=1)
         shape, groups = gpu._wg_shape(tier, H, DL, DR, planes.l_scale.shape[1])
         ks = gpu._kernels(gpu.Shape(shape.tier_id, 1, 64, DL, DR), dev)
         hpad, W = groups * shape.hn, plan.n_work
@@ -191,7 +201,8 @@ def prof() -> None:
         lut, maps = gpu._tq_lut(dev), gpu.tma_maps(planes)
         times = {}
         for p in (0, 1):
-            wg = gpu._wg_kernel(replace(shape, tuning=shape.tuning + (("PROF", p),)), dev)
+            make = _base_kernel if os.environ.get("PROF_BASE") == "1" else gpu._wg_kernel
+            wg = make(replace(shape, tuning=shape.tuning + (("PROF", p),)), dev)
             o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
             fn = lambda: wg.fn((W, groups), (gpu.WG_THREADS,), (  # noqa: E731
                 qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
@@ -206,9 +217,9 @@ def prof() -> None:
         t = st[:, :1024].reshape(-1, 2, 64, 8)[:, :, :n, :6]  # [cta, wg, step, phase]
         total = np.median(st[:, 2002] - st[:, 2000])
         ghz = total / (times[1] * 1e9)
-        print(f"prof {tier_name} H={H} 16x32768: attn_wg {1e3 * times[0]:.4f} ms (PROF=1 "
-              f"{1e3 * times[1]:.4f}), {total:.0f} cycles per CTA = {ghz:.2f} GHz; {n} steps",
-              flush=True)
+        print(f"prof {tier_name} H={H} {B}x32768 ({W} CTAs): attn_wg {1e3 * times[0]:.4f} ms "
+              f"(PROF=1 {1e3 * times[1]:.4f}), {total:.0f} cycles per CTA = {ghz:.2f} GHz; "
+              f"{n} steps", flush=True)
         lo, hi = 2, n - 2
         names = ["wait full", "S^T", "flag+bar", "P^T+bar", "O^T"]
         for c in (0, 1):
@@ -219,6 +230,15 @@ def prof() -> None:
                 f"{nm} {v:.0f}" for nm, v in zip(names, durs)) +
                 f"; next-step gap {np.median((t[:, c, lo + 1:hi + 1, 0] - t[:, c, lo:hi, 5]).mean(axis=1)):.0f}",
                 flush=True)
+        # copy latency: the producer's issue of half-tile h to its owner's wait end (the
+        # arrival where that warpgroup waited), and the issue relative to the owner's step start
+        iss = st[:, 1024:1024 + 2 * n].reshape(-1, n, 2)  # [cta, step, owner wg]
+        for c in (0, 1):
+            lat = t[:, c, lo:hi, 1] - iss[:, lo:hi, c]
+            rel = iss[:, lo:hi, c] - t[:, c, lo:hi, 0]
+            print(f"  half-tiles of wg{c}: issue to wait end {np.median(lat.mean(axis=1)):.0f} "
+                  f"cycles, issued {np.median(rel.mean(axis=1)):.0f} cycles after the step "
+                  f"that uses it starts", flush=True)
         pro = np.median(st[:, 2001] - st[:, 2000])
         first = np.median(t[:, 0, 0, 0] - st[:, 2001])
         epi = np.median(st[:, 2002] - t[:, :, n - 1, 5].max(axis=1))

@@ -24,7 +24,7 @@ SCALE = 1.0 / np.sqrt(192.0)
 LENGTHS = [1, 17, 300, 1100, 2600]
 
 
-def make_pool(tier_name, rng, lengths=LENGTHS):
+def make_pool(tier_name, rng, lengths=LENGTHS, BS=BS):
     tier = get_tier(tier_name)
     per = [-(-n // BS) for n in lengths]
     n_blocks = sum(per) + 7
@@ -57,6 +57,7 @@ def make_pool(tier_name, rng, lengths=LENGTHS):
 
 
 def reference(tier, planes, tables, rows, positions, q_lat, q_rope):
+    BS = planes.l_scale.shape[1]
     out = np.zeros(q_lat.shape, np.float64)
     for i, (r, p) in enumerate(zip(rows, positions)):
         if p < 0:
@@ -73,11 +74,11 @@ def reference(tier, planes, tables, rows, positions, q_lat, q_rope):
     return out
 
 
-def contexts(tier_name, H, n_sm, seed):
+def contexts(tier_name, H, n_sm, seed, bs=BS):
     """(GPU contexts, float64 reference, positions, plan) for nine queries over a hostile
-    pool (also used by diag_wgmma.py)."""
+    pool of block size bs (also used by diag_wgmma.py)."""
     rng = np.random.default_rng(seed)
-    tier, planes, tables = make_pool(tier_name, rng)
+    tier, planes, tables = make_pool(tier_name, rng, BS=bs)
     rows = np.array([0, 1, 2, 3, 3, 3, 4, 2, 4])
     positions = np.array([0, 16, 299, 1099, 517, 64, 2599, -1, 1999])
     N = len(rows)
@@ -91,15 +92,16 @@ def contexts(tier_name, H, n_sm, seed):
     return out, reference(tier, planes, tables, rows, positions, q_lat, q_rope), positions, plan
 
 
-def run(tier_name, H, n_sm, seed):
-    out, want, positions, plan = contexts(tier_name, H, n_sm, seed)
+def run(tier_name, H, n_sm, seed, bs=BS):
+    out, want, positions, plan = contexts(tier_name, H, n_sm, seed, bs)
     assert np.isfinite(out).all(), f"{tier_name} H={H}: non-finite output"
     for i in range(len(positions)):
         if positions[i] < 0:
             assert not out[i].any(), "padding query must give zeros"
             continue
         err = np.linalg.norm(out[i] - want[i]) / np.linalg.norm(want[i])
-        assert err < 2e-3, f"{tier_name} H={H} n_sm={n_sm} query {i} (pos {positions[i]}): rel err {err:.2e}"
+        assert err < 2e-3, (f"{tier_name} H={H} n_sm={n_sm} bs={bs} query {i} "
+                            f"(pos {positions[i]}): rel err {err:.2e}")
     return plan
 
 
@@ -157,6 +159,22 @@ def test_wgmma_and_mma_kernels_agree(tier, H, monkeypatch):
     old = gpu.paged_mla_decode(t, dev, tab, plan, q_lat, q_rope, SCALE).get()
     err = np.linalg.norm((new - old).reshape(4, -1), axis=1) / np.linalg.norm(old.reshape(4, -1), axis=1)
     assert err.max() < 3e-3, err
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+@pytest.mark.parametrize("bs", [8, 32, 64])
+def test_attention_other_block_sizes(tier, bs, monkeypatch):
+    """Pool blocks of 8 rows (eight TMA boxes a half-tile), 32 and 64 rows (two boxes, one):
+    the float64 reference at 64 and 16 heads over the hostile pool, and the cp.async path
+    bit-identical to the TMA one."""
+    for H in (64, 16):
+        run(tier, H, n_sm=132, seed=bs + H, bs=bs)
+    if not _hopper():
+        return
+    assert gpu._wg_shape(get_tier(tier), 64, DL, DR, bs)[0].tma == 1
+    via_tma = contexts(tier, 64, 132, 1, bs)[0]
+    monkeypatch.setenv(gpu.TMA_ENV, "0")
+    assert np.array_equal(contexts(tier, 64, 132, 1, bs)[0], via_tma)
 
 
 @pytest.mark.parametrize("tier", ["kv8", "tq4"])
