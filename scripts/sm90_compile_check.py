@@ -4,7 +4,9 @@ whether ptxas serialised the wgmmas (info C7514, or a wait for completion after 
 in the SASS), the number of local-memory loads inside the main loop and its length (the
 static instructions from the first to the last HGMMA of a step: what the consumer warps
 issue besides the products; at 64 heads session 4 took kv8 from 2158 to 1705, tq4 from 2725
-to 2244; after session 5 kv8 1686 with 4 bytes of spills, tq4 2182 with none).
+to 2244; after session 5 kv8 1686 with 4 bytes of spills, tq4 2182 with none), and of it the
+O^T part (from the barrier that publishes P^T to the last product: 384 at kv8 64 heads; the
+unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 415-508).
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
@@ -63,12 +65,19 @@ def report(sass: str, log: str) -> str:
            if re.match(r"^\s+/\*[0-9a-f]{4}\*/", ln)]
     hg = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
     loop = ops[hg[0]:hg[-1] + 1] if hg else []
+    # O^T: its 32 products (8 groups x 4 m64 tiles at every head count) and what precedes
+    # them back to the barrier that publishes P^T
+    o0 = hg[-32] if len(hg) >= 32 else 0
+    while o0 > 0 and not ops[o0].startswith("BAR.SYNC"):
+        o0 -= 1
+    o_loop = ops[o0:hg[-1] + 1] if hg else []
     full_waits = sum("DEPBAR.LE gsb0, 0x0" in op for op in ops)
     spill = re.search(r"attn_wg\b.*?(\d+) bytes spill stores, (\d+) bytes spill loads", log, re.S)
     serial = "C7514" in log or (hg and full_waits >= len(hg))
     return (f"HGMMA {len(hg)}  waits-for-all {full_waits}  serialised {'YES' if serial else 'no'}  "
             f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'} B  "
-            f"LDL in loop {sum(op.startswith('LDL') for op in loop)}  loop {len(loop)} instr")
+            f"LDL in loop {sum(op.startswith('LDL') for op in loop)}  loop {len(loop)} instr  "
+            f"(O^T {len(o_loop)})")
 
 
 def main() -> None:
