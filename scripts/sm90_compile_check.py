@@ -6,7 +6,7 @@ static instructions from the first to the last HGMMA of a step: what the consume
 issue besides the products; at 64 heads session 4 took kv8 from 2158 to 1705, tq4 from 2725
 to 2244; after session 5 kv8 1686 with 4 bytes of spills, tq4 2182 with none), and of it the
 O^T part (from the barrier that publishes P^T to the last product: 384 at kv8 64 heads; the
-unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 415-508).
+unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 406-508).
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
