@@ -89,7 +89,8 @@
 #endif
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
-#endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof)
+#endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
+                             // 3 = also inside S^T and the softmax (PROF_MODE=3)
 
 #if TIER == 1
 #define LROW DL
@@ -246,9 +247,11 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// 2^x; results below 2^-126 flush to zero (weights that small vanish in f16 and in lsum)
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));  // (no subnormal fix-up: 3 fewer
+                                                            // instructions per exponential)
     return y;
 }
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
@@ -305,20 +308,24 @@ __device__ __forceinline__ void wgmma_hn(float* d, const u32* a, u64 desc, u32 o
 #endif
 }
 
-// x / y: the approximate division (2 ulp) where y is a normal float below 2^126, its
-// range of accuracy; IEEE division elsewhere (subnormal or huge scales)
+// x / y: the approximate division (2 ulp), for any y: both operands are first multiplied by
+// the power of two that brings |y| into __fdividef's range (exact), by selects, not a branch
+// to IEEE division (its call and branches cost ~8% of a step at kv8 64 heads); zero, Inf
+// and NaN divisors give what IEEE division gives.
 __device__ __forceinline__ float div_fast(float x, float y) {
     const float ay = fabsf(y);
-    return (ay >= 0x1p-126f && ay <= 0x1p126f) ? __fdividef(x, y) : x / y;
+    const float f = ay < 0x1p-100f ? 0x1p64f : (ay > 0x1p100f ? 0x1p-64f : 1.0f);
+    return __fdividef(x * f, y * f);
 }
 
 // Per-row factors of the score (see the header): fin * (rho * q.R + q.L) = sL q.L + sR q.R
-// A zero or negligible L scale keeps the R part exact
-// and leaves q.L below 2^-40 of it.
+// A zero or negligible L scale keeps the R part exact and leaves q.L below 2^-40 of it;
+// NaN / Inf L scales propagate. (Selects, not branches.)
 __device__ __forceinline__ void row_factors(float sl, float sr, float& rho, float& fin) {
-    if (!isfinite(sl)) { rho = 0.0f; fin = sl; }  // NaN / Inf scales propagate
-    else if (sl > 0.0f && sl >= sr * 0x1p-40f) { rho = div_fast(sr, sl); fin = sl; }
-    else { rho = sr * 0x1p40f; fin = 0x1p-40f; }
+    const bool bad = !isfinite(sl), plain = sl > 0.0f && sl >= sr * 0x1p-40f;
+    const float r = div_fast(sr, sl);  // (selected away unless plain)
+    rho = bad ? 0.0f : (plain ? r : sr * 0x1p40f);
+    fin = bad || plain ? sl : 0x1p-40f;
 }
 
 // Effective per-token scale of the converted values (0 for an invalid token).
@@ -605,6 +612,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     auto stamp = [&](int step, int ph) {
         if (PROF && wi == 0 && lane == 0 && step < 64) prof[wgc * 512 + step * 8 + ph] = clk64();
     };
+    auto stamp3 = [&](int step, int j) {  // PROF=3: sub-phases, [2048 + c * 512 + step * 8 + j]
+        if (PROF == 3 && wi == 0 && lane == 0 && step < 64) prof[2048 + wgc * 512 + step * 8 + j] = clk64();
+    };
     for (int step = 0; 2 * step < nh; ++step) {
         stamp(step, 0);
         if (SKIPW & 4) {  // timing only: the copy pipeline alone (consumers just release)
@@ -742,6 +752,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 sacc[4 * j] *= rho_a; sacc[4 * j + 1] *= rho_a;
                 sacc[4 * j + 2] *= rho_b; sacc[4 * j + 3] *= rho_b;
             }
+            stamp3(step, 0);
             // latent part: SB steps per group
 #pragma unroll
             for (int gi = 0; gi < KS_L / SB; ++gi) {
@@ -757,6 +768,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 wg_wait<SW>();
             }
             wg_wait<0>();
+            stamp3(step, 1);
 #endif
 #if TMA && TIER == 1
             const uint2 mk = *(const uint2*)(sp + SLOT_MK);  // (no half-tile: finite codes)
@@ -789,13 +801,17 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 
         stamp(step, 2);
         // ---- softmax: lazy reference max ----
-        bool flag = (va && sla > 128.0f * c_ref) || (vb && slb > 128.0f * c_ref);
+        // (no short-circuit operators: ptxas made a divergent branch of every || here, which
+        // cost ~5% of a step at kv8 64 heads)
+        float over = NEG_INF;  // the largest margin of a score over its head's reference max
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-            flag |= sacc[4 * j] > m.x + 8.0f || sacc[4 * j + 2] > m.x + 8.0f ||
-                    sacc[4 * j + 1] > m.y + 8.0f || sacc[4 * j + 3] > m.y + 8.0f;
+            over = fmaxf(over, fmaxf(fmaxf(sacc[4 * j], sacc[4 * j + 2]) - m.x,
+                                     fmaxf(sacc[4 * j + 1], sacc[4 * j + 3]) - m.y));
         }
+        const bool flag = (va & (sla > 128.0f * c_ref)) | (vb & (slb > 128.0f * c_ref)) | (over > 8.0f);
+        stamp3(step, 2);
         const bool rescale = bar_or(2, 256, flag);
         stamp(step, 3);
         if (rescale) {
@@ -877,6 +893,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
         }
         fence_async_smem();
+        stamp3(step, 3);
         bar_sync(4, 256);
         stamp(step, 4);
 

@@ -202,7 +202,8 @@ def prof() -> None:
         times = {}
         for p in (0, 1):
             make = _base_kernel if os.environ.get("PROF_BASE") == "1" else gpu._wg_kernel
-            wg = make(replace(shape, tuning=shape.tuning + (("PROF", p),)), dev)
+            pv = p * int(os.environ.get("PROF_MODE", "1"))  # 3: also S^T / softmax parts
+            wg = make(replace(shape, tuning=shape.tuning + (("PROF", pv),)), dev)
             o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
             fn = lambda: wg.fn((W, groups), (gpu.WG_THREADS,), (  # noqa: E731
                 qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
@@ -239,6 +240,20 @@ def prof() -> None:
             print(f"  half-tiles of wg{c}: issue to wait end {np.median(lat.mean(axis=1)):.0f} "
                   f"cycles, issued {np.median(rel.mean(axis=1)):.0f} cycles after the step "
                   f"that uses it starts", flush=True)
+        if os.environ.get("PROF_MODE") == "3":
+            # [cta, wg, step, j]: j 0 rope done, 1 latent done, 2 flag made, 3 P^T stored
+            sub = st[:, 2048:3072].reshape(-1, 2, 64, 8)[:, :, lo:hi, :4]
+            ph = t[:, :, lo:hi, :]
+            parts = [("to rope done", sub[..., 0] - ph[..., 1]),
+                     ("latent loop", sub[..., 1] - sub[..., 0]),
+                     ("final scale", ph[..., 2] - sub[..., 1]),
+                     ("flag made", sub[..., 2] - ph[..., 2]),
+                     ("bar_or wait", ph[..., 3] - sub[..., 2]),
+                     ("P^T made", sub[..., 3] - ph[..., 3]),
+                     ("P^T barrier", ph[..., 4] - sub[..., 3])]
+            for c in (0, 1):
+                print(f"  wg{c} parts: " + ", ".join(
+                    f"{nm} {np.median(v[:, c].mean(axis=1)):.0f}" for nm, v in parts), flush=True)
         pro = np.median(st[:, 2001] - st[:, 2000])
         first = np.median(t[:, 0, 0, 0] - st[:, 2001])
         epi = np.median(st[:, 2002] - t[:, :, n - 1, 5].max(axis=1))
