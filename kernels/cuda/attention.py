@@ -129,7 +129,7 @@ class WgShape:
     hn: int     # heads per CTA: the wgmma N (16, 32 or 64)
     dl: int
     dr: int
-    nslot: int  # 64-token raw half-tiles in flight
+    nslot: int  # 64-token half-tiles of raw L rows in flight (R rows: two, see the kernel)
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
     bs: int = 16  # the pool's block size: rows of a TMA box (compiled in with the TMA only)
@@ -139,20 +139,31 @@ class WgShape:
     @property
     def defines(self) -> dict:
         bs = dict(BS=self.bs) if self.tma else {}
-        return dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                    CVT=self.cvt, TMA=self.tma, **bs, **dict(self.tuning))
+        d = dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
+                 NR=self.nr, CVT=self.cvt, TMA=self.tma, **bs)
+        d.update(self.tuning)  # (a tuning NSLOT below the shape's leaves shared memory unused)
+        if d["NSLOT"] > self.nslot:
+            raise ValueError(f"KVFLEET_CUDA_WG_TUNING NSLOT={d['NSLOT']}: at most {self.nslot} "
+                             f"fit in shared memory for {self.hn} heads of this tier")
+        return d
+
+    @property
+    def nr(self) -> int:
+        """R entries: two at 64 heads (all that fit beside four L slots), three below."""
+        return 2 if self.hn == 64 else 3
 
     def shared_bytes(self) -> int:
         """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
-        hn, dk = self.hn, self.dl + self.dr
+        hn, dk, nr = self.hn, self.dl + self.dr, self.nr
         lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
-        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
+        # Q^T, P^T (the reduction scratch lives in it), qscale / M / factors, c, mbarriers,
+        # the L slots' valid-token masks, the R entries' scales and masks
+        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 64 + 128 + 64 + nr * (2 * 64 * 4 + 16)
         lut = 256 * 32 * 4 if self.tier_id == 2 else 0
-        if self.tma:  # unpadded R rows; slots and the ring start 1024-byte aligned
-            slot = -(-(64 * lrow + 64 * rrow + 2 * 64 * 4 + 16) // 1024) * 1024
-            return -(-(head + lut) // 1024) * 1024 + self.nslot * slot
-        slot = 64 * lrow + 64 * (rrow + 16) + 2 * 64 * 4 + 16  # + the valid-token mask
-        return head + lut + self.nslot * slot
+        if self.tma:  # unpadded R rows; the R entries start 1024-byte aligned
+            rr = -(-(64 * rrow) // 1024) * 1024
+            return -(-(head + lut) // 1024) * 1024 + nr * rr + self.nslot * 64 * lrow
+        return head + lut + nr * 64 * (rrow + 16) + self.nslot * 64 * lrow
 
 
 def _tuning(text: str) -> tuple[tuple[str, int], ...]:
@@ -185,7 +196,9 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
     # The TMA copies (whole blocks) beat cp.async everywhere (H200, 16 x 32k, ms: kv8 64h
     # 0.212 vs 0.234, 16h 0.134 vs 0.163; tq4 64h 0.247 vs 0.259, 16h 0.169 vs 0.184).
     tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128))
-    for nslot in (6, 5, 4, 3):
+    # At 64 heads four L slots (kv8: all that fit): tq4 with six ran 0.193 ms at 16 x 32k
+    # against 0.186 with four (ptxas spilled in the step loop).
+    for nslot in (4, 3) if hn == 64 else (5, 4, 3):  # (the mbarriers: 2 (NSLOT + NR) <= 16)
         shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, bs, tuning)
         if shape.shared_bytes() <= limit:
             return shape, -(-n_heads // hn)

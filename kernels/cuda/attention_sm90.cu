@@ -122,28 +122,42 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #define RCH (RROW / 16)
 
 // Shared memory carve-up (bytes).
+// The ring is two rings: NSLOT slots of a half-tile's L rows (read by S^T and by both
+// warpgroups' O^T, released after O^T) and NR = 2 entries of its R rows, scales and
+// valid-token mask (read at the start of S^T by the scorer alone, released right there), so
+// that the L rows get the room: kv8 at 64 heads holds four half-tiles of L instead of three
+// whole half-tiles.
+#ifndef NR
+#define NR 2                 // R entries (WgShape: 2 at 64 heads, 3 below)
+#endif
 #define SM_QT 0                                  // Q^T: HN x DK f16, canonical (no swizzle)
 #define SM_PT (SM_QT + HN * DK * 2)              // P^T: HN x 128 f16, canonical
+#define SM_RED SM_PT                             // [NCW][HN] in P^T's place: used only while no
+                                                 // P^T is live (the rescale, the epilogue)
 #define SM_QS (SM_PT + HN * 128 * 2)             // qscale[HN]
 #define SM_M (SM_QS + HN * 4)                    // reference max M[HN]
 #define SM_AL (SM_M + HN * 4)                    // rescale factors[HN]
-#define SM_RED (SM_AL + HN * 4)                  // [NCW][HN]
-#define SM_REDC (SM_RED + NCW * HN * 4)          // [NCW] warp max of sL, [NCW] = c
-#define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: full[NSLOT], empty[NSLOT]
-#define SM_LUT (SM_BAR + 8 * 2 * 8)
+#define SM_REDC (SM_AL + HN * 4)                 // [NCW] warp max of sL, [NCW] = c
+#define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: fullL, emptyL [NSLOT]; fullR, emptyR [NR]
+#define SM_LMK (SM_BAR + 8 * 16)                 // the valid-token mask of each L slot (u64)
+#define SM_RS (SM_LMK + 8 * 8)                   // per R entry: sL[64], sR[64], the mask (u64)
+#define RS_SL 0
+#define RS_SR (HT * 4)
+#define RS_MK (2 * HT * 4)
+#define RS_BYTES (2 * HT * 4 + 16)
+#define SM_LUT (SM_RS + NR * RS_BYTES)
 #if TIER == 2
 #define LUT_BYTES (256 * 32 * 4)                 // pair table, one copy per bank
 #else
 #define LUT_BYTES 0
 #endif
-#define SM_SLOT ALIGN1K(SM_LUT + LUT_BYTES)      // TMA swizzle atoms: 1024-byte aligned
-#define SLOT_L 0
-#define SLOT_R (HT * LROW)
-#define SLOT_SL (SLOT_R + HT * RSTR)
-#define SLOT_SR (SLOT_SL + HT * 4)
-#define SLOT_MK (SLOT_SR + HT * 4)              // valid-token mask (u64, producer-written)
-#define SLOT_BYTES ALIGN1K(SLOT_MK + 16)
+#define SM_RR ALIGN1K(SM_LUT + LUT_BYTES)        // R entries (TMA swizzle atoms: 1024-aligned)
+#define RR_BYTES ALIGN1K(HT * RSTR)
+#define SM_SLOT (SM_RR + NR * RR_BYTES)          // L slots
+#define SLOT_BYTES (HT * LROW)                   // (a multiple of 1024)
 #define SM_TOTAL (SM_SLOT + NSLOT * SLOT_BYTES)
+static_assert(2 * (NSLOT + NR) <= 16 && NSLOT <= 8, "the mbarriers and L masks fit");
+static_assert(NCW * HN * 4 <= HN * 128 * 2, "the reduction scratch fits in P^T");
 
 static_assert(DL == 512, "each consumer warpgroup's O^T covers 256 latent dims (4 x m64)");
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * NTHREADS,
@@ -387,10 +401,13 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     const int nh = (t1 - t0 + HT - 1) / HT;
     const int* table = tables + (size_t)trow * nb;
     const u32 bar0 = smem_u32(smem + SM_BAR);
-    auto full = [&](int s) { return bar0 + 8u * s; };
-    auto empty = [&](int s) { return bar0 + 8u * (NSLOT + s); };
+    auto full = [&](int s) { return bar0 + 8u * s; };               // L slot s copied
+    auto empty = [&](int s) { return bar0 + 8u * (NSLOT + s); };    // L slot s read (8 warps)
+    auto fullR = [&](int r) { return bar0 + 8u * (2 * NSLOT + r); };       // R entry r copied
+    auto emptyR = [&](int r) { return bar0 + 8u * (2 * NSLOT + NR + r); }; // read (4 warps)
     if (tid == 0) {
         for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), TMA ? 1 : 33 * PW); mbar_init(empty(s), NCW); }
+        for (int r = 0; r < NR; ++r) { mbar_init(fullR(r), TMA ? 1 : 33 * PW); mbar_init(emptyR(r), 4); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // Zero the ring where a slot can be read before a copy wrote it, so that a token never
@@ -398,7 +415,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     // in O^T). cp.async: rows past t1 and of missing blocks, anywhere. TMA: whole blocks are
     // copied and the kv8 scorer zeroes a half-tile's masked rows itself; what is left is the
     // slot of the missing half-tile of an odd count (its products run with zero weights),
-    // never written when nh < NSLOT. tq4 codes always decode to finite values.
+    // never written when nh < NSLOT. tq4 codes always decode to finite values. (R rows are
+    // only multiplied in S^T, where the scores of such rows are selected away.)
     {
 #if TMA
         const int z0 = nh, z1 = TIER == 1 && (nh & 1) && nh < NSLOT ? nh + 1 : nh;  // slots [z0, z1)
@@ -420,12 +438,16 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // table loads overlap.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
 #if TMA
-        // Lane k copies block k of each half-tile (64 / BS blocks): the L rows as one 3-D box
-        // (128 bytes x BS rows x LROW / 128 column blocks: one request per block instead of
-        // one per column block) and the R rows as one 2-D box (tensor maps at tmaps, 128 bytes
-        // each), the scales as two 1-D bulk copies. Lane 0 publishes the valid-token mask
-        // and arms full(slot) with the half-tile's byte count before any copy is issued.
-        if (warp == NCW) {
+        // Lane k copies block k of each half-tile (64 / BS blocks). Warp NCW copies the L rows
+        // into their slots, each block as one 3-D box (128 bytes x BS rows x LROW / 128 column
+        // blocks: one request per block instead of one per column block); warp NCW + 1 the R
+        // rows into their entries as one 2-D box (tensor maps at tmaps, 128 bytes each) and
+        // the scales as two 1-D bulk copies, so that neither ring waits for the other (in one
+        // warp the L copies queued behind the R entries' releases: kv8 16h 0.098 ms). Lane 0
+        // of each publishes the valid-token mask and arms its barrier with the half-tile's
+        // bytes before any copy is issued.
+        if (warp == NCW || warp == NCW + 1) {
+            const bool lw = warp == NCW;  // the L warp (else the R warp)
             const u64 map_l = (u64)tmaps, map_r = map_l + 128;
             if (lane == 0) {
                 if ((smem_u32(smem) & 1023u) || bs != BS) __trap();  // 1024-byte slots; BS = bs
@@ -440,26 +462,38 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             };
             int blk = block_of(0, lane);
             for (int h = 0; h < nh; ++h) {
-                const int slot = h % NSLOT;
-                if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
-                if (PROF && lane == 0 && h < 512) prof[1024 + h] = clk64();
-                unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
+                const int slot = h % NSLOT, re = h % NR;
                 const int ti = t0 + h * HT + lane;
                 const bool v0 = __shfl_sync(0xffffffffu, blk, lane / BS) >= 0 && ti < t1;
                 const bool v1 = __shfl_sync(0xffffffffu, blk, (lane + 32) / BS) >= 0 && ti + 32 < t1;
                 const u32 m0 = __ballot_sync(0xffffffffu, v0), m1 = __ballot_sync(0xffffffffu, v1);
                 const u32 nblk = __popc(__ballot_sync(0xffffffffu, blk >= 0));
-                if (lane == 0) {
-                    *(uint2*)(sp + SLOT_MK) = make_uint2(m0, m1);
-                    mbar_arrive_tx(full(slot), SKIPC ? 0u : nblk * (u32)BS * (LROW + RROW + 8));
-                }
-                __syncwarp();
-                if (blk >= 0 && !SKIPC) {
-                    const int row = blk * BS;
-                    tma_3d(smem_u32(sp + SLOT_L + lane * BS * LROW), map_l, 0, row, 0, full(slot));
-                    tma_2d(smem_u32(sp + SLOT_R + lane * BS * RROW), map_r, 0, row, full(slot));
-                    bulk_copy(smem_u32(sp + SLOT_SL + lane * BS * 4), l_scale + row, BS * 4, full(slot));
-                    bulk_copy(smem_u32(sp + SLOT_SR + lane * BS * 4), r_scale + row, BS * 4, full(slot));
+                const int row = blk * BS;
+                if (lw) {
+                    if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
+                    if (PROF && lane == 0 && h < 512) prof[1024 + h] = clk64();
+                    if (lane == 0) {
+                        ((uint2*)(smem + SM_LMK))[slot] = make_uint2(m0, m1);
+                        mbar_arrive_tx(full(slot), SKIPC ? 0u : nblk * (u32)BS * LROW);
+                    }
+                    __syncwarp();
+                    if (blk >= 0 && !SKIPC)
+                        tma_3d(smem_u32(smem + SM_SLOT + slot * SLOT_BYTES + lane * BS * LROW),
+                               map_l, 0, row, 0, full(slot));
+                } else {
+                    if (h >= NR) mbar_wait(emptyR(re), ((h / NR) - 1) & 1);
+                    unsigned char* rs = smem + SM_RS + re * RS_BYTES;
+                    if (lane == 0) {
+                        *(uint2*)(rs + RS_MK) = make_uint2(m0, m1);
+                        mbar_arrive_tx(fullR(re), SKIPC ? 0u : nblk * (u32)BS * (RROW + 8));
+                    }
+                    __syncwarp();
+                    if (blk >= 0 && !SKIPC) {
+                        tma_2d(smem_u32(smem + SM_RR + re * RR_BYTES + lane * BS * RROW), map_r, 0,
+                               row, fullR(re));
+                        bulk_copy(smem_u32(rs + RS_SL + lane * BS * 4), l_scale + row, BS * 4, fullR(re));
+                        bulk_copy(smem_u32(rs + RS_SR + lane * BS * 4), r_scale + row, BS * 4, fullR(re));
+                    }
                 }
                 blk = block_of(h + 1, lane);
             }
@@ -475,36 +509,48 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 const int b = table[t / bs];
                 return b >= 0 ? b * bs + t % bs : -1;
             };
-            auto issue = [&](unsigned char* sp, int row, int i) {
+            auto issue_l = [&](int slot, int row, int i) {  // token i's L row
                 if (row < 0 || SKIPC) return;
                 const unsigned char* gl = l_codes + (size_t)row * LROW;
-                const u32 dl = smem_u32(sp + SLOT_L + i * LROW);
+                const u32 dl = smem_u32(smem + SM_SLOT + slot * SLOT_BYTES + i * LROW);
 #pragma unroll 4
                 for (int c = 0; c < LCH; ++c) cp_async16(dl + ((c ^ (i & 7)) << 4), gl + c * 16);
+            };
+            auto issue_r = [&](int re, int row, int i) {  // its R row and scales
+                if (row < 0 || SKIPC) return;
                 const unsigned char* gr = r_codes + (size_t)row * RROW;
-                const u32 dr = smem_u32(sp + SLOT_R + i * RSTR);
+                const u32 dr = smem_u32(smem + SM_RR + re * RR_BYTES + i * RSTR);
 #pragma unroll
                 for (int c = 0; c < RCH; ++c) cp_async16(dr + c * 16, gr + c * 16);
-                cp_async4(smem_u32(sp + SLOT_SL + 4 * i), l_scale + row);
-                cp_async4(smem_u32(sp + SLOT_SR + 4 * i), r_scale + row);
+                unsigned char* rs = smem + SM_RS + re * RS_BYTES;
+                cp_async4(smem_u32(rs + RS_SL + 4 * i), l_scale + row);
+                cp_async4(smem_u32(rs + RS_SR + 4 * i), r_scale + row);
             };
             int rows[TPL];
 #pragma unroll
             for (int j = 0; j < TPL; ++j) rows[j] = lookup(0, lane + 32 * (pw + PW * j));
             for (int h = 0; h < nh; ++h) {
-                const int slot = h % NSLOT;
+                const int slot = h % NSLOT, re = h % NR;
+                // full(slot) / fullR(re) complete after 32 cp.async arrivals and one plain
+                // arrival per copying warp (fullR: its lane 0, after publishing its words of
+                // the valid-token mask); a cp.async arrival counts every earlier copy of its
+                // lane, so fullR also waits for the L rows
                 if (h >= NSLOT) mbar_wait(empty(slot), ((h / NSLOT) - 1) & 1);
-                unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
-                // full(slot) completes after 32 cp.async arrivals and one plain arrival per
-                // copying warp (its lane 0, after publishing its words of the valid-token mask)
+#pragma unroll
+                for (int j = 0; j < TPL; ++j) issue_l(slot, rows[j], lane + 32 * (pw + PW * j));
+                // (the L mask only serves the TMA path's zeroing of masked rows)
+                cp_async_arrive(full(slot));
+                if (lane == 0) mbar_arrive(full(slot));
+                if (h >= NR) mbar_wait(emptyR(re), ((h / NR) - 1) & 1);
+                unsigned char* rs = smem + SM_RS + re * RS_BYTES;
 #pragma unroll
                 for (int j = 0; j < TPL; ++j) {
                     const u32 m = __ballot_sync(0xffffffffu, rows[j] >= 0);
-                    if (lane == 0) ((u32*)(sp + SLOT_MK))[pw + PW * j] = m;
-                    issue(sp, rows[j], lane + 32 * (pw + PW * j));
+                    if (lane == 0) ((u32*)(rs + RS_MK))[pw + PW * j] = m;
+                    issue_r(re, rows[j], lane + 32 * (pw + PW * j));
                 }
-                cp_async_arrive(full(slot));
-                if (lane == 0) mbar_arrive(full(slot));
+                cp_async_arrive(fullR(re));
+                if (lane == 0) mbar_arrive(fullR(re));
 #pragma unroll
                 for (int j = 0; j < TPL; ++j) rows[j] = lookup(h + 1, lane + 32 * (pw + PW * j));
             }
@@ -620,8 +666,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         if (SKIPW & 4) {  // timing only: the copy pipeline alone (consumers just release)
             for (int hs = 2 * step; hs < 2 * step + 2 && hs < nh; ++hs) {
                 mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
+                mbar_wait(fullR(hs % NR), (hs / NR) & 1);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty(hs % NSLOT));
+                if (lane == 0 && (hs & 1) == wgc) mbar_arrive(emptyR(hs % NR));
             }
             continue;
         }
@@ -638,17 +686,18 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         {
             // Without a half-tile (odd count, last step) the products run on whatever the
             // slot holds (finite codes) and every score is masked: no divergent wgmma.
-            const int slot = hm % NSLOT;
-            const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;
+            const int slot = hm % NSLOT, re = hm % NR;
+            const unsigned char* sp = smem + SM_SLOT + slot * SLOT_BYTES;  // L rows
+            const unsigned char* rs = smem + SM_RS + re * RS_BYTES;       // scales, mask
             if (have) {
-                mbar_wait(full(slot), (hm / NSLOT) & 1);
+                mbar_wait(fullR(re), (hm / NR) & 1);
                 stamp(step, 1);
-                const u32 mk = *(const u32*)(sp + SLOT_MK + 4 * (ta >> 5));  // ta, tb: same word
-                va = (mk >> (ta & 31)) & 1u;
-                vb = (mk >> (tb & 31)) & 1u;
+                const u32 mw = *(const u32*)(rs + RS_MK + 4 * (ta >> 5));  // ta, tb: same word
+                va = (mw >> (ta & 31)) & 1u;
+                vb = (mw >> (tb & 31)) & 1u;
             }
-            const float* ssl = (const float*)(sp + SLOT_SL);
-            const float* ssr = (const float*)(sp + SLOT_SR);
+            const float* ssl = (const float*)(rs + RS_SL);
+            const float* ssr = (const float*)(rs + RS_SR);
             float sra = 0.0f, srb = 0.0f;
             if (va) { sla = eff_scale(ssl[ta], (float)DL); sra = eff_scale(ssr[ta], (float)DR); }
             if (vb) { slb = eff_scale(ssl[tb], (float)DL); srb = eff_scale(ssr[tb], (float)DR); }
@@ -668,11 +717,11 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             // 0 and 2, tb for 1 and 3) at chunk u + l / 16; w[k] = {row ta, row tb} words of
             // k-step k (kv8: chunk = k-step; tq4: chunk = two k-steps, same words).
 #if TMA
-            const u32 l_base = smem_u32(sp + SLOT_L) + (lt / BS) * (BS * LROW) + (lt % BS) * 128;
+            const u32 l_base = smem_u32(sp) + (lt / BS) * (BS * LROW) + (lt % BS) * 128;
 #else
-            const u32 l_base = smem_u32(sp + SLOT_L) + lt * LROW;
+            const u32 l_base = smem_u32(sp) + lt * LROW;
 #endif
-            const u32 r_base = smem_u32(sp + SLOT_R);
+            const u32 r_base = smem_u32(smem + SM_RR + re * RR_BYTES);
             auto l_addr = [&](int u, int x) {  // u even for x4 (x = lk), any for x2 (x = lx)
                 // (the XOR in volatile asm: computed where it is used, not hoisted and spilled)
 #if TMA
@@ -736,6 +785,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 // rope part: one commit group, then the rows rescaled to the L scale
                 u32 wr[KS_R][2], a[KS_R][4];
                 raw_r(wr);
+                if (have) {  // every read of the R entry is done (rows, scales, mask)
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(emptyR(re));
+                }
                 wg_fence();
 #pragma unroll
                 for (int k = 0; k < KS_R; ++k) {
@@ -744,6 +797,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 }
                 wg_commit();
             }
+            if (have) mbar_wait(full(slot), (hm / NSLOT) & 1);  // the L rows
             u32 w[2][SB][2];
             raw_g(w[0], 0);
             wg_wait<0>();
@@ -771,7 +825,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             stamp3(step, 1);
 #endif
 #if TMA && TIER == 1
-            const uint2 mk = *(const uint2*)(sp + SLOT_MK);  // (no half-tile: finite codes)
+            const uint2 mk = ((const uint2*)(smem + SM_LMK))[slot];  // (no half-tile: finite codes)
             if (have && (mk.x & mk.y) != ~0u) {
                 // The TMA copies whole blocks, so tokens past t1 hold whatever the pool has
                 // there (kv8 NaN codes would meet their zero weights in O^T), and tokens of
@@ -781,7 +835,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 // warpgroup may still be reading these rows for S^T: harmless, as only
                 // masked rows are written and their scores are selected away (NEG_INF),
                 // never multiplied.
-                uint4* lz = (uint4*)(sp + SLOT_L);
+                uint4* lz = (uint4*)sp;
                 for (int u = (ctid & 127); u < HT * LROW / 16; u += 128) {
                     const int t = (u / (BS * LROW / 16)) * BS + ((u >> 3) & (BS - 1));
                     if (!(((t < 32 ? mk.x : mk.y) >> (t & 31)) & 1u)) lz[u] = make_uint4(0u, 0u, 0u, 0u);
@@ -917,7 +971,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         auto raw_o = [&](OW* X, int kk) {
             const int hs = 2 * step + (kk >> 2);
             if ((kk & 3) == 0 && hs != hm && hs < nh) mbar_wait(full(hs % NSLOT), (hs / NSLOT) & 1);
-            const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES + SLOT_L;
+            const unsigned char* sp = smem + SM_SLOT + (hs % NSLOT) * SLOT_BYTES;
 #pragma unroll
             for (int i = 0; i < 4; ++i)  // l_off2(tc, tv, u) = l_off2(tc, 0, 0) + l_off2(0, tv, u)
                 X[i] = *(const OW*)(sp + l_off2(16 * (kk & 3) + 8 * (i >> 1), 0, 0) + ov[i & 1]);

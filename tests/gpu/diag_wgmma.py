@@ -62,10 +62,37 @@ def _base_kernel(shape, device):
     one whose TMA path reads the 2-D L maps of _maps_2d, as before 2026-12-01)."""
     from kernels.cuda._build import set_dynamic_smem
     k = object.__new__(gpu._WgKernel)
-    k.fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **shape.defines)
-    k.smem = shape.shared_bytes()
+    defines = dict(shape.defines)
+    if "SM_RR" not in _base_source():  # whole-half-tile slots (before 2026-12-01, session 7)
+        defines["NSLOT"], k.smem = _slots_of(shape)
+    else:
+        k.smem = shape.shared_bytes()
+    k.fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **defines)
     set_dynamic_smem(k.fn, k.smem)
     return k
+
+
+def _base_source() -> str:
+    return open(os.path.join(os.path.dirname(gpu.__file__), "attention_sm90_base.cu")).read()
+
+
+def _slots_of(shape):
+    """(NSLOT, shared bytes) of the kernels whose slots held whole half-tiles (L and R rows,
+    scales, mask), as before 2026-12-01 (session 7)."""
+    hn, dk = shape.hn, shape.dl + shape.dr
+    lrow, rrow = (shape.dl, shape.dr) if shape.tier_id == 1 else (shape.dl // 2, shape.dr // 2)
+    head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 8 * hn * 4 + 64 + 128
+    head += 256 * 32 * 4 if shape.tier_id == 2 else 0
+    limit = gpu._device_info(cp.cuda.Device().id)[2]
+    for nslot in (6, 5, 4, 3):
+        if shape.tma:
+            slot = -(-(64 * lrow + 64 * rrow + 2 * 64 * 4 + 16) // 1024) * 1024
+            total = -(-head // 1024) * 1024 + nslot * slot
+        else:
+            total = head + nslot * (64 * lrow + 64 * (rrow + 16) + 2 * 64 * 4 + 16)
+        if total <= limit:
+            return nslot, total
+    raise RuntimeError("no slot count fits")
 
 
 def _maps_2d(planes):
@@ -107,7 +134,11 @@ def tune(variants: list[str]) -> None:
                     os.environ[gpu.TMA_ENV] = tma[-1] if tma else "1"
                     os.environ["KVFLEET_CUDA_WG_TUNING"] = ",".join(defs)
                     os.environ["KVFLEET_CUDA_KV8_CVT"] = cvt
-                    err = max(errors(tier_name, H, seed=3))
+                    try:
+                        err = max(errors(tier_name, H, seed=3))
+                    except ValueError as e:  # (a tuning that does not fit this shape)
+                        print(f"tune {tier_name} H={H} [{v}]: skipped ({e})", flush=True)
+                        continue
                     fn = lambda: gpu.paged_mla_decode(  # noqa: E731
                         tier, planes, tables, plan, q_lat, q_rope, SCALE)
                     t = _graph_time(fn, 10)[0]
