@@ -6,7 +6,9 @@ static instructions from the first to the last HGMMA of a step: what the consume
 issue besides the products; at 64 heads session 4 took kv8 from 2158 to 1705, tq4 from 2725
 to 2244; after session 5 kv8 1686 with 4 bytes of spills, tq4 2182 with none), and of it the
 O^T part (from the barrier that publishes P^T to the last product: 384 at kv8 64 heads; the
-unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 406-508).
+unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 406-508). Session 7
+(separate L and R rings, no branches in the softmax flag): kv8 64 heads 1556 with 8 bytes
+of spills, tq4 2041 with none.
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
@@ -32,11 +34,13 @@ SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "attention_s
 
 
 def shapes() -> list[dict]:
-    """The defines attention._wg_shape picks for GLM-5 widths (512 / 64), block size 16."""
+    """The defines attention._wg_shape picks for GLM-5 widths (512 / 64), block size 16: four
+    L slots and two R entries at 64 heads, five and three below."""
     out = []
     for tier in (1, 2):
         for hn in (16, 32, 64):
-            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=3, CVT=1, TMA=1, BS=16))
+            ns, nr = (4, 2) if hn == 64 else (5, 3)
+            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=ns, NR=nr, CVT=1, TMA=1, BS=16))
     return out
 
 

@@ -5,8 +5,8 @@
 //
 // Compile-time parameters (-D): TIER 1 kv8 / 2 tq4; HN = heads per CTA (16, 32 or 64: the
 // wgmma N); DL, DR = latent and rope widths (DL == 512: two warpgroups of 256 context dims;
-// DR % 32 == 0); NSLOT = 64-token
-// half-tiles in flight; CVT (kv8) 1 = cvt.rn.f16x2.e4m3x2, 0 = integer bit moves (slower);
+// DR % 32 == 0); NSLOT = 64-token half-tiles of L rows in flight, NR = of R rows (see the
+// ring below); CVT (kv8) 1 = cvt.rn.f16x2.e4m3x2, 0 = integer bit moves (slower);
 // SB, SW = S^T k-steps per wgmma group and groups left in flight; PW = producer warps that
 // copy (1 or 2); SKIPW=4 / SKIPC=1 (timing only, results wrong): the copy pipeline alone
 // (consumers only release slots) / the consumers alone (nothing copied). The other
@@ -23,13 +23,16 @@
 // adjacent bytes (kv8) or nibbles (tq4), and Q^T is written in that order.
 //
 // CTA = one work item (query, table row, tokens [t0, t1)) x one group of HN heads; 384
-// threads: warps 0-3 and 4-7 are two consumer warpgroups, warp 8 the producer (warps 8-11
-// hand most of their registers to the consumers: setmaxnreg). The producer
-// copies each 64-token half-tile of raw rows into a ring of NSLOT slots, XOR-swizzled by
-// token so that both read patterns are bank-conflict free: with TMA=1 each pool block of L
-// rows as one 3-D tensor-map box (the hardware swizzle), with TMA=0 16-byte cp.async chunks
-// per lane and token. It writes the half-tile's valid-token mask beside it and signals an mbarrier;
-// consumers release a slot through another mbarrier once every warp has read it. Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
+// threads: warps 0-3 and 4-7 are two consumer warpgroups, warps 8-11 the producer's (they
+// hand most of their registers to the consumers: setmaxnreg). The producer copies each
+// 64-token half-tile of raw rows into two rings: its L rows into one of NSLOT slots, its R
+// rows, scales and valid-token mask into one of NR entries, XOR-swizzled by token so that
+// both read patterns are bank-conflict free: with TMA=1 (warp 8 the L rows, each pool block
+// as one 3-D tensor-map box in the hardware swizzle; warp 9 the rest) or with TMA=0 (PW
+// warps, 16-byte cp.async chunks per lane and token). Each copy signals an mbarrier; the
+// consumers release an L slot through another once every warp's O^T has read it, an R entry
+// as soon as its scorer has loaded the rope rows (so that two or three entries suffice and
+// the room goes to L). Per step of 128 tokens, consumer warpgroup c computes S^T for half-tile
 // 2*step + c (64 tokens x HN heads), both exchange the softmax numerators through P^T in
 // shared memory, and each accumulates O^T for its 256 latent dims over all 128 tokens.
 //

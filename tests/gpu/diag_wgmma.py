@@ -153,6 +153,14 @@ def tune(variants: list[str]) -> None:
     os.environ.pop(gpu.TMA_ENV, None)
 
 
+def _launch_wg(wg, W, groups, qh, qs, planes, tables, plan, lut, maps, o_part, ml_part, hpad):
+    """attn_wg alone, with the arguments attention._launch_wg gives it."""
+    wg.fn((W, groups), (gpu.WG_THREADS,), (
+        qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+        np.int32(tables.shape[1]), np.int32(planes.l_scale.shape[1]), plan.work, lut, maps,
+        o_part, ml_part, np.int32(hpad)), shared_mem=wg.smem)
+
+
 def parts() -> None:
     """Time per call at B = 16 for T = 4k .. 32k (the intercept of time against T is the
     fixed cost of a call) and, at 16 x 32k, attn_qprep, attn_wg and attn_combine alone."""
@@ -182,14 +190,11 @@ def parts() -> None:
         wg = gpu._wg_kernel(shape, dev)
         lut = gpu._tq_lut(dev)
         maps = gpu.tma_maps(planes)
-        nb, bs = tables.shape[1], planes.l_scale.shape[1]
         calls = {
             "qprep": lambda: ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H),
                                                          np.int32(hpad), np.float32(SCALE))),
-            "attn_wg": lambda: wg.fn((W, groups), (gpu.WG_THREADS,), (
-                qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
-                np.int32(nb), np.int32(bs), plan.work, lut, maps, o_part, ml_part,
-                np.int32(hpad)), shared_mem=wg.smem),
+            "attn_wg": lambda: _launch_wg(wg, W, groups, qh, qs, planes, tables, plan, lut, maps,
+                                          o_part, ml_part, hpad),
             "combine": lambda: ks.combine((B, H), (128,), (o_part, ml_part, plan.splits, out,
                                                            np.int32(H), np.int32(hpad))),
         }
@@ -218,7 +223,7 @@ def prof() -> None:
         q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
         q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
         # B < 16: fewer CTAs of the same chunk (as many SMs idle): the copies' contention
-        plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), n_sm=132 * B // 16,
+        plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), n_sm=gpu._device_info(dev)[3] * B // 16,
                                ctas_per_sm=1)
         shape, groups = gpu._wg_shape(tier, H, DL, DR, planes.l_scale.shape[1])
         ks = gpu._kernels(gpu.Shape(shape.tier_id, 1, 64, DL, DR), dev)
@@ -228,7 +233,6 @@ def prof() -> None:
         ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H), np.int32(hpad),
                                      np.float32(SCALE)))
         ml_part = cp.zeros((W, hpad, 2), cp.float32)
-        nb, bs = tables.shape[1], planes.l_scale.shape[1]
         lut, maps = gpu._tq_lut(dev), gpu.tma_maps(planes)
         times = {}
         for p in (0, 1):
@@ -236,10 +240,8 @@ def prof() -> None:
             pv = p * int(os.environ.get("PROF_MODE", "1"))  # 3: also S^T / softmax parts
             wg = make(replace(shape, tuning=shape.tuning + (("PROF", pv),)), dev)
             o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
-            fn = lambda: wg.fn((W, groups), (gpu.WG_THREADS,), (  # noqa: E731
-                qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
-                np.int32(nb), np.int32(bs), plan.work, lut, maps, o_part, ml_part,
-                np.int32(hpad)), shared_mem=wg.smem)
+            fn = lambda: _launch_wg(wg, W, groups, qh, qs, planes, tables, plan, lut,  # noqa: E731
+                                    maps, o_part, ml_part, hpad)
             times[p] = _graph_time(fn, 10)[0]
         fn()
         cp.cuda.Device().synchronize()
@@ -262,13 +264,15 @@ def prof() -> None:
                 f"{nm} {v:.0f}" for nm, v in zip(names, durs)) +
                 f"; next-step gap {np.median((t[:, c, lo + 1:hi + 1, 0] - t[:, c, lo:hi, 5]).mean(axis=1)):.0f}",
                 flush=True)
-        # copy latency: the producer's issue of half-tile h to its owner's wait end (the
-        # arrival where that warpgroup waited), and the issue relative to the owner's step start
+        # the L rows' lead: the producer's issue of half-tile h's L rows (PROF stamp 1024 + h)
+        # to the end of its scorer's first wait (for the R entry; the whole half-tile in the
+        # kernels before session 7, where this was the copy latency when that wait was long),
+        # and the issue relative to the start of the step that uses it
         iss = st[:, 1024:1024 + 2 * n].reshape(-1, n, 2)  # [cta, step, owner wg]
         for c in (0, 1):
             lat = t[:, c, lo:hi, 1] - iss[:, lo:hi, c]
             rel = iss[:, lo:hi, c] - t[:, c, lo:hi, 0]
-            print(f"  half-tiles of wg{c}: issue to wait end {np.median(lat.mean(axis=1)):.0f} "
+            print(f"  half-tiles of wg{c}: L issue to wait end {np.median(lat.mean(axis=1)):.0f} "
                   f"cycles, issued {np.median(rel.mean(axis=1)):.0f} cycles after the step "
                   f"that uses it starts", flush=True)
         if os.environ.get("PROF_MODE") == "3":

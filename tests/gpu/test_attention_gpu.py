@@ -24,28 +24,28 @@ SCALE = 1.0 / np.sqrt(192.0)
 LENGTHS = [1, 17, 300, 1100, 2600]
 
 
-def make_pool(tier_name, rng, lengths=LENGTHS, BS=BS):
+def make_pool(tier_name, rng, lengths=LENGTHS, bs=BS):
     tier = get_tier(tier_name)
-    per = [-(-n // BS) for n in lengths]
+    per = [-(-n // bs) for n in lengths]
     n_blocks = sum(per) + 7
     nb = max(per) + 2
-    L = rng.standard_normal((n_blocks * BS, DL)).astype(np.float32)
-    R = rng.standard_normal((n_blocks * BS, DR)).astype(np.float32)
-    L *= np.exp(rng.uniform(-1, 0.5, (n_blocks * BS, 1))).astype(np.float32)  # per-token scales differ
+    L = rng.standard_normal((n_blocks * bs, DL)).astype(np.float32)
+    R = rng.standard_normal((n_blocks * bs, DR)).astype(np.float32)
+    L *= np.exp(rng.uniform(-1, 0.5, (n_blocks * bs, 1))).astype(np.float32)  # per-token scales differ
     L[rng.choice(len(L), 9, replace=False)] = 0.0  # inert rows
     R[rng.choice(len(R), 9, replace=False)] = 0.0
     lc, ls = ref.encode_rows(tier, L)
     rc, rs = ref.encode_rows(tier, R)
-    lc, rc = lc.reshape(n_blocks, BS, -1), rc.reshape(n_blocks, BS, -1)
-    ls, rs = ls.reshape(n_blocks, BS), rs.reshape(n_blocks, BS)
+    lc, rc = lc.reshape(n_blocks, bs, -1), rc.reshape(n_blocks, bs, -1)
+    ls, rs = ls.reshape(n_blocks, bs), rs.reshape(n_blocks, bs)
     perm = rng.permutation(n_blocks)
     tables = np.full((len(lengths), nb), -1, np.int32)
-    used = np.zeros((n_blocks, BS), bool)
+    used = np.zeros((n_blocks, bs), bool)
     k = 0
     for s, (n, p) in enumerate(zip(lengths, per)):
         tables[s, :p] = perm[k:k + p]
         for t in range(n):
-            used[tables[s, t // BS], t % BS] = True
+            used[tables[s, t // bs], t % bs] = True
         k += p
     garbage_code = np.nan if tier.kind == "f32" else 0x7E  # 0x7E: a large value in every tier
     garbage_scale = np.float32(np.nan if tier.kind != "tq" else 1e30)
@@ -57,13 +57,13 @@ def make_pool(tier_name, rng, lengths=LENGTHS, BS=BS):
 
 
 def reference(tier, planes, tables, rows, positions, q_lat, q_rope):
-    BS = planes.l_scale.shape[1]
+    bs = planes.l_scale.shape[1]
     out = np.zeros(q_lat.shape, np.float64)
     for i, (r, p) in enumerate(zip(rows, positions)):
         if p < 0:
             continue
         t = np.arange(p + 1)
-        blk, off = tables[r, t // BS], t % BS
+        blk, off = tables[r, t // bs], t % bs
         L = ref.decode_rows(tier, planes.l_codes[blk, off], planes.l_scale[blk, off], DL)
         R = ref.decode_rows(tier, planes.r_codes[blk, off], planes.r_scale[blk, off], DR)
         L, R = L.astype(np.float64), R.astype(np.float64)
@@ -78,7 +78,7 @@ def contexts(tier_name, H, n_sm, seed, bs=BS):
     """(GPU contexts, float64 reference, positions, plan) for nine queries over a hostile
     pool of block size bs (also used by diag_wgmma.py)."""
     rng = np.random.default_rng(seed)
-    tier, planes, tables = make_pool(tier_name, rng, BS=bs)
+    tier, planes, tables = make_pool(tier_name, rng, bs=bs)
     rows = np.array([0, 1, 2, 3, 3, 3, 4, 2, 4])
     positions = np.array([0, 16, 299, 1099, 517, 64, 2599, -1, 1999])
     N = len(rows)
