@@ -129,7 +129,7 @@ class WgShape:
     hn: int     # heads per CTA: the wgmma N (16, 32 or 64)
     dl: int
     dr: int
-    nslot: int  # 64-token half-tiles of raw L rows in flight (R rows: two, see the kernel)
+    nslot: int  # 64-token half-tiles of raw L rows in flight (R rows: nr, see the kernel)
     cvt: int = 1  # kv8: 1 hardware e4m3x2 -> f16x2 conversion, 0 integer bit moves
     tma: int = 1  # 1: blocks copied by the TMA (tensor maps from tma_maps()), 0: cp.async
     bs: int = 16  # the pool's block size: rows of a TMA box (compiled in with the TMA only)
@@ -145,6 +145,9 @@ class WgShape:
         if d["NSLOT"] > self.nslot:
             raise ValueError(f"KVFLEET_CUDA_WG_TUNING NSLOT={d['NSLOT']}: at most {self.nslot} "
                              f"fit in shared memory for {self.hn} heads of this tier")
+        if d["NR"] != self.nr:  # (shared_bytes() sizes the launch with self.nr)
+            raise ValueError(f"KVFLEET_CUDA_WG_TUNING NR={d['NR']}: the shape has {self.nr} "
+                             f"R entries at {self.hn} heads and cannot be tuned")
         return d
 
     @property

@@ -126,7 +126,7 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 
 // Shared memory carve-up (bytes).
 // The ring is two rings: NSLOT slots of a half-tile's L rows (read by S^T and by both
-// warpgroups' O^T, released after O^T) and NR = 2 entries of its R rows, scales and
+// warpgroups' O^T, released after O^T) and NR (2 or 3) entries of its R rows, scales and
 // valid-token mask (read at the start of S^T by the scorer alone, released right there), so
 // that the L rows get the room: kv8 at 64 heads holds four half-tiles of L instead of three
 // whole half-tiles.
@@ -783,6 +783,12 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 #if NOS
 #pragma unroll
             for (int i = 0; i < NJ * 4; ++i) sacc[i] = (float)(i & 3) - 8.0f * (float)(rho_a + rho_b);
+            if (have) {  // (the release, the L wait and the drain of the products as below)
+                __syncwarp();
+                if (lane == 0) mbar_arrive(emptyR(re));
+                mbar_wait(full(slot), (hm / NSLOT) & 1);
+            }
+            wg_wait<0>();
 #else
             {
                 // rope part: one commit group, then the rows rescaled to the L scale
