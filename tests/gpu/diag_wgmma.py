@@ -7,7 +7,9 @@ reference and against attention.cu, per variant, printing errors instead of asse
                                                # combine alone at 16 x 32768
     python3 tests/gpu/diag_wgmma.py --prof     # where a step's time goes: clock64 stamps of
                                                # each phase (PROF=1), 16 x 32768, and each
-                                               # half-tile's copy latency (issue to arrival);
+                                               # half-tile's L lead (issue to its scorer's
+                                               # first wait); PROF_MODE=3 also the parts of
+                                               # S^T and of the softmax;
                                                # PROF_CASES=kv8/64,tq4/16 picks the cases,
                                                # PROF_B=16,4 the slots (fewer: SMs left idle,
                                                # the same 4096-token chunk), PROF_BASE=1 the
@@ -206,9 +208,9 @@ def parts() -> None:
 
 
 def prof() -> None:
-    """attn_wg with PROF=1 at 16 x 32768: per phase of a step (copy wait, S^T, flag barrier,
-    P^T, O^T), the median over CTAs of the mean over the steady steps, in SM clock cycles
-    and in us (cycles converted by the kernel's own graph-timed duration)."""
+    """attn_wg with PROF=1 (PROF_MODE=3: PROF=3) at 16 x 32768: per phase of a step (copy
+    wait, S^T, flag barrier, P^T, O^T), the median over CTAs of the mean over the steady
+    steps, in SM clock cycles (the clock rate from the kernel's own graph-timed duration)."""
     from dataclasses import replace
     from cluster.bench.attention import _device_planes, _graph_time
     T = 32768
