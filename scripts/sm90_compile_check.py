@@ -66,7 +66,7 @@ def compile_cubin(lib, src: str, defines: dict) -> tuple[bytes, str]:
 
 def report(sass: str, log: str) -> str:
     ops = [ln.split("*/", 1)[1].strip().split(" ;")[0] for ln in sass.splitlines()
-           if re.match(r"^\s+/\*[0-9a-f]{4}\*/", ln)]
+           if re.match(r"^\s+/\*[0-9a-f]{4,}\*/", ln)]
     hg = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
     loop = ops[hg[0]:hg[-1] + 1] if hg else []
     # O^T: its 32 products (8 groups x 4 m64 tiles at every head count) and what precedes
@@ -97,7 +97,8 @@ def main() -> None:
             sys.exit(f"extra define {kv!r} must look like NAME=1")
         extra[name] = int(value)
     lib = ctypes.CDLL(args.nvrtc)
-    src = SOURCE.read_text()
+    src = re.sub(r'^\s*#\s*include\s+"([^"]+)"\s*$',  # local headers inlined, as _build does
+                 lambda m: (SOURCE.parent / m.group(1)).read_text(), SOURCE.read_text(), flags=re.M)
     with tempfile.TemporaryDirectory() as tmp:
         for d in shapes():
             d.update(extra)
