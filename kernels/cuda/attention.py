@@ -19,8 +19,9 @@ On Hopper (compute capability 9.0) kv8 and tq4 take attention_sm90.cu's attn_wg 
 attn_split (warpgroup MMA, the codes converted in registers; `kernel_path()` says which
 runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu; its copies go through the TMA with tensor
 maps from tma_maps(), or cp.async for block sizes not divisible by 8, rope rows other than
-32 / 64 / 128 bytes and planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Same qprep / combine, same
-precision. It
+32 / 64 / 128 bytes and planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Each of
+its CTAs makes its own f16 queries (the bits attn_qprep makes; no qprep launch), and
+attn_combine merges the chunks; same precision. It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 """
@@ -304,16 +305,19 @@ def _check(name: str, a, dtype, shape: tuple) -> None:
 
 
 def _flash_decode(ks, hpad: int, planes, tables, plan, q_lat, q_rope, scale: float,
-                  out: cp.ndarray, split) -> None:
+                  out: cp.ndarray, split, prep: bool = True) -> None:
     """attn_qprep -> split -> attn_combine (attention.cu's qprep and combine, whichever
     kernel splits the context): split(qh, qscale, o_part, ml_part, lut, nb, bs) launches
-    the split kernel over plan.work when there is any."""
+    the split kernel over plan.work when there is any (prep False: a split kernel that makes
+    its own f16 queries, given qh = qscale = None)."""
     N, H, dl = q_lat.shape
     dr = q_rope.shape[2]
-    qh = cp.empty((N, hpad, dl + dr), cp.uint16)
-    qscale = cp.empty((N, hpad), cp.float32)
-    ks.qprep((N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
-                                 np.float32(scale * LOG2E)))
+    qh = qscale = None
+    if prep:
+        qh = cp.empty((N, hpad, dl + dr), cp.uint16)
+        qscale = cp.empty((N, hpad), cp.float32)
+        ks.qprep((N, hpad), (128,), (q_lat, q_rope, qh, qscale, np.int32(H), np.int32(hpad),
+                                     np.float32(scale * LOG2E)))
     W = plan.n_work
     o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
     ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
@@ -340,9 +344,15 @@ def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, 
 class _WgKernel:
     """attn_wg of one WgShape, compiled for sm_90a, shared memory limit set once."""
 
+    qh_only = False  # (diag_wgmma's builds of kernels before 2026-12-01 session 8: only qh
+                     # and qscale as their first arguments)
+
     def __init__(self, shape: WgShape):
         self.fn = arch_kernel("attention_sm90.cu", "attn_wg", "sm_90a", **shape.defines)
         self.smem = shape.shared_bytes()
+        # kv8 CTAs make their f16 queries from the f32 ones (the kernel's QF); tq4 reads
+        # attn_qprep's (the rotation costs more in the prologue than its launch)
+        self.reads_qh = not shape.defines.get("QF", int(shape.tier_id == 1))
         set_dynamic_smem(self.fn, self.smem)
 
 
@@ -403,25 +413,36 @@ def _without_tma(shape: WgShape) -> WgShape:
     raise RuntimeError(f"no cp.async variant of {shape} fits {limit} bytes of shared memory")
 
 
+def wg_query_args(wg, q_lat, q_rope, scale: float, qh=None, qscale=None) -> tuple:
+    """attn_wg's first arguments: attn_qprep's qh / qscale (null where wg makes its own f16
+    queries), the f32 queries, their head count and the softmax scale in base 2."""
+    if wg.qh_only:
+        return qh, qscale
+    null = np.uint64(0)
+    return (null if qh is None else qh, null if qscale is None else qscale, q_lat, q_rope,
+            np.int32(q_lat.shape[1]), np.float32(scale * LOG2E))
+
+
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
                scale: float, out: cp.ndarray) -> None:
     dev = cp.cuda.Device().id
-    # attn_qprep / attn_combine of attention.cu depend only on TIER, DL and DR
+    # attn_combine (and attn_qprep) of attention.cu depend only on TIER, DL and DR
     ks = _kernels(Shape(shape.tier_id, 1, 64, q_lat.shape[2], q_rope.shape[2]), dev)
+    s = shape
+    if s.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
+                                               planes.l_scale, planes.r_scale)):
+        s = _without_tma(s)  # the TMA needs 16-byte aligned planes
+    wg = _wg_kernel(s, dev)
 
     def split(qh, qscale, o_part, ml_part, lut, nb, bs):
-        s = shape
-        if s.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
-                                                   planes.l_scale, planes.r_scale)):
-            s = _without_tma(s)  # the TMA needs 16-byte aligned planes
         maps = tma_maps(planes) if s.tma else lut  # (unused without the TMA)
-        wg = _wg_kernel(s, dev)
         wg.fn((plan.n_work, groups), (WG_THREADS,), (
-            qh, qscale, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
-            nb, bs, plan.work, lut, maps, o_part, ml_part, np.int32(o_part.shape[1])),
-            shared_mem=wg.smem)
+            *wg_query_args(wg, q_lat, q_rope, scale, qh, qscale), planes.l_codes,
+            planes.l_scale, planes.r_codes, planes.r_scale, tables, nb, bs, plan.work, lut,
+            maps, o_part, ml_part, np.int32(o_part.shape[1])), shared_mem=wg.smem)
 
-    _flash_decode(ks, groups * shape.hn, planes, tables, plan, q_lat, q_rope, scale, out, split)
+    _flash_decode(ks, groups * shape.hn, planes, tables, plan, q_lat, q_rope, scale, out, split,
+                  prep=wg.reads_qh)
 
 
 def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: DecodePlan,

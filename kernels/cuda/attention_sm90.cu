@@ -1,7 +1,8 @@
 // Paged MLA decode attention for Hopper (sm_90a): warpgroup MMA (wgmma) with the coded cache
 // converted in registers, never staged as f16 in shared memory. kv8 and tq4 only; the f32
 // tier and other GPUs use attention.cu. Same inputs and outputs as attention.cu's attn_split
-// (its attn_qprep makes the f16 queries, its attn_combine merges the splits).
+// (its attn_combine merges the splits; its attn_qprep makes the f16 queries, or with QF each
+// CTA makes the same from the f32 queries).
 //
 // Compile-time parameters (-D): TIER 1 kv8 / 2 tq4; HN = heads per CTA (16, 32 or 64: the
 // wgmma N); DL, DR = latent and rope widths (DL == 512: two warpgroups of 256 context dims;
@@ -90,6 +91,15 @@
 #ifndef NOMMA
 #define NOMMA 0              // timing only (results wrong): 1 = no wgmma (operands still made)
 #endif
+#ifndef QF                   // 1: each CTA makes its f16 queries from the f32 ones (no
+#define QF (TIER == 1)       // attn_qprep launch; kv8 16 x 32k, 16 heads 0.091 -> 0.088 ms, 64
+#endif                       // heads even); 0: attn_qprep's qh (tq4: its rotation, done in the
+#if QF && TIER == 2          // prologue by each CTA, cost 6 % at 64 heads; not kept)
+#error "QF=1 is kv8 only (tq4 queries are rotated by attn_qprep)"
+#endif
+#ifndef SPEC                 // 1: P^T made before the rescale vote (see the softmax), 0: after
+#define SPEC (TIER == 1)     // it (kv8 16 x 32k: 0.149 -> 0.145 ms at 64 heads, 0.093 -> 0.091
+#endif                       // at 16; tq4 0.186 / 0.128 either way, so tq4 keeps 0: no spills)
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -378,11 +388,15 @@ __device__ __forceinline__ int r_off(int t, int u) {
 
 extern "C" __global__ void attn_wg_smem(int* out) { out[0] = SM_TOTAL; }
 
-// grid (W, Hpad / HN), block NTHREADS, dynamic shared memory SM_TOTAL. qh [N, Hpad, DK] f16
-// bits and qscale [N, Hpad] from attention.cu's attn_qprep; writes o_part [W, Hpad, DL] and
-// ml_part [W, Hpad, 2] exactly as attention.cu's attn_split does.
+// grid (W, Hpad / HN), block NTHREADS, dynamic shared memory SM_TOTAL. QF=1: q_lat [N, H, DL]
+// and q_rope [N, H, DR] f32 (each CTA makes its Q^T as attention.cu's attn_qprep makes qh,
+// with the softmax scale times log2(e); qh / qscale unused); QF=0: qh [N, Hpad, DK] f16 bits
+// and qscale [N, Hpad] from attn_qprep (the q arguments unused). Writes o_part [W, Hpad, DL]
+// and ml_part [W, Hpad, 2] exactly as attention.cu's attn_split does.
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
+        const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H,
+        float sm_scale_log2e,
         const unsigned char* __restrict__ l_codes, const float* __restrict__ l_scale,
         const unsigned char* __restrict__ r_codes, const float* __restrict__ r_scale,
         const int* __restrict__ tables, int nb, int bs, const int* __restrict__ work,
@@ -582,6 +596,96 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     };
 #endif
     {
+#if QF
+        // Q^T from the f32 queries, as attention.cu's attn_qprep makes qh for kv8 (the same
+        // bits): per head scaled to max |q| = 1 in f16; qscale = max |q| x the softmax scale
+        // x log2(e). Warp w makes head b0 + w of each batch of NB (8 at 64 heads, 7 / 3 in
+        // the smaller P^T of 32 / 16): lane l holds latent dims 16l..16l+15 and rope dims
+        // RPL l.., and stages the head's f16 row in P^T (rows QSTR bytes apart, 16 more than
+        // a row, so that the reads below spread over the banks). Then thread (group, head)
+        // moves a 32-dim group of one head (two k-steps) into Q^T's permuted, canonical
+        // layout (u32 = two adjacent k) as four 16-byte rows of core matrices: k-step s0 + j
+        // of a group holds its words 8j..8j+7, row half b the words of parity b (k = 2 qd +
+        // e, see the dims' permutation); consecutive threads take consecutive heads, so that
+        // a warp's stores cover whole banks.
+        constexpr int NG = DK / 32, RPL = DR / 32, QSTR = DK * 2 + 16;
+        constexpr int NB = HN * 128 * 2 / QSTR < 8 ? HN * 128 * 2 / QSTR : 8;
+        static_assert(NB >= 1 && NB * NG <= 256, "a batch of staged heads fits P^T and the threads");
+        unsigned char* stg = smem + SM_PT;
+        // every head of this warp loaded first, all in flight at once (one round trip)
+        constexpr int NBT = (HN + NB - 1) / NB;  // batches
+        float xs[NBT][16], ys[NBT][RPL];
+#pragma unroll
+        for (int bt = 0; bt < NBT; ++bt) {
+            const int hg = h0 + bt * NB + cw;
+            if (cw < NB && bt * NB + cw < HN && hg < H) {
+                const float4* ql = (const float4*)(q_lat + ((size_t)qn * H + hg) * DL) + 4 * lane;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const float4 v = __ldg(ql + c);
+                    xs[bt][4 * c] = v.x; xs[bt][4 * c + 1] = v.y;
+                    xs[bt][4 * c + 2] = v.z; xs[bt][4 * c + 3] = v.w;
+                }
+                const float* qr = q_rope + ((size_t)qn * H + hg) * DR + RPL * lane;
+#pragma unroll
+                for (int i = 0; i < RPL; ++i) ys[bt][i] = __ldg(qr + i);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; ++i) xs[bt][i] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < RPL; ++i) ys[bt][i] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int bt = 0; bt < NBT; ++bt) {
+            const int b0 = bt * NB;
+            if (cw < NB && b0 + cw < HN) {
+                const int hl = b0 + cw, hg = h0 + hl;
+                float* x = xs[bt];
+                float* y = ys[bt];
+                float m = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(x[i]));
+#pragma unroll
+                for (int i = 0; i < RPL; ++i) m = fmaxf(m, fabsf(y[i]));
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                if (!(m > 0.0f) || isinf(m)) m = 1.0f;  // zero query; Inf / NaN propagate through q
+                const float inv = 1.0f / m;
+                unsigned char* srow = stg + cw * QSTR;
+                uint4* sl = (uint4*)(srow + 32 * lane);
+                sl[0] = make_uint4(pack_h2(x[0] * inv, x[1] * inv), pack_h2(x[2] * inv, x[3] * inv),
+                                   pack_h2(x[4] * inv, x[5] * inv), pack_h2(x[6] * inv, x[7] * inv));
+                sl[1] = make_uint4(pack_h2(x[8] * inv, x[9] * inv), pack_h2(x[10] * inv, x[11] * inv),
+                                   pack_h2(x[12] * inv, x[13] * inv), pack_h2(x[14] * inv, x[15] * inv));
+#pragma unroll
+                for (int i = 0; i < RPL; ++i)
+                    ((unsigned short*)(srow + 2 * DL))[RPL * lane + i] =
+                        (unsigned short)(pack_h2(y[i] * inv, 0.0f) & 0xFFFFu);
+                if (lane == 0) ((float*)(smem + SM_QS))[hl] = hg < H ? m * sm_scale_log2e : 0.0f;
+            }
+            bar_sync(1, 256);
+            if (ctid < NB * NG && b0 + ctid % NB < HN) {
+                const int grp = ctid / NB, h = b0 + ctid % NB;
+                uint4 x[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    x[c] = *(const uint4*)(stg + (ctid % NB) * QSTR + 64 * grp + 16 * c);
+                const int d0 = 32 * grp, dl = d0 < DL ? d0 : d0 - DL, sb = d0 < DL ? 0 : KS_L;
+                unsigned char* row = smem + SM_QT + (h >> 3) * 128 + (h & 7) * 16;
+                auto put = [&](int ks, int half, u32 w0, u32 w1, u32 w2, u32 w3) {
+                    *(uint4*)(row + (2 * ks + half) * NJ * 128) = make_uint4(w0, w1, w2, w3);
+                };
+                const int s0 = sb + dl / 16;
+                put(s0, 0, x[0].x, x[0].z, x[1].x, x[1].z);
+                put(s0, 1, x[0].y, x[0].w, x[1].y, x[1].w);
+                put(s0 + 1, 0, x[2].x, x[2].z, x[3].x, x[3].z);
+                put(s0 + 1, 1, x[2].y, x[2].w, x[3].y, x[3].w);
+            }
+            bar_sync(1, 256);  // (the staging rows are reused by the next batch)
+        }
+        for (int h = ctid; h < HN; h += 256) sM[h] = NEG_INF;
+#else
         // Q^T in the permuted, canonical layout (u32 = two adjacent k). A 32-dim group of one
         // head (64 bytes of qh, two k-steps) is four 16-byte loads, all of a thread's in flight
         // at once, whose words make four 16-byte rows of core matrices, stored as such (4-byte
@@ -628,6 +732,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
             sM[h] = NEG_INF;
         }
+#endif
 #if TIER == 2
         {
             // the pair table, one copy per bank: thread e writes entry e's 32 copies (16-byte
@@ -874,10 +979,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                                      fmaxf(sacc[4 * j + 1], sacc[4 * j + 3]) - m.y));
         }
         const bool flag = (va & (sla > 128.0f * c_ref)) | (vb & (slb > 128.0f * c_ref)) | (over > 8.0f);
-        stamp3(step, 2);
-        const bool rescale = bar_or(2, 256, flag);
-        stamp(step, 3);
-        if (rescale) {
+        auto move_ref = [&]() {  // M and c from this step's scores; O^T and lsum follow
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -923,10 +1025,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 }
             }
             c_ref = cn;
-        }
-
+        };
         // ---- numerators -> P^T (f16, weights p * sL / c; zeros without a half-tile) ----
-        {
+        auto numerators = [&](float* ls) {  // (ls: lsum, or its copy)
             const float inv_c = c_ref > 0.0f ? div_fast(1.0f, c_ref) : 0.0f;
             const float wfa = va ? sla * inv_c : 0.0f, wfb = vb ? slb * inv_c : 0.0f;
             u32 pr[NJ][2];
@@ -942,8 +1043,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 const float p0 = fast_exp2(sacc[4 * j] - m.x), p1 = fast_exp2(sacc[4 * j + 1] - m.y);
                 const float p2 = fast_exp2(sacc[4 * j + 2] - m.x), p3 = fast_exp2(sacc[4 * j + 3] - m.y);
 #endif
-                lsum[2 * j] += p0 + p2;
-                lsum[2 * j + 1] += p1 + p3;
+                ls[2 * j] += p0 + p2;
+                ls[2 * j + 1] += p1 + p3;
                 pr[j][0] = pack_h2(p0 * wfa, p1 * wfa);
                 pr[j][1] = pack_h2(p2 * wfb, p3 * wfb);
             }
@@ -954,10 +1055,39 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 const u32 addr = pt_addr + (((8 * wgc + 2 * wi + r) * NJ + jj) * 8 + k8) * 16;
                 stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
             }
+        };
+#if SPEC
+        // P^T made with the current M and c before the vote, whose barrier then also
+        // publishes it: one barrier a step instead of two. A step that moves M or c (rare)
+        // makes it again (lsum's share of it is kept apart until the vote).
+        float lsp[NJ * 2];
+#pragma unroll
+        for (int i = 0; i < NJ * 2; ++i) lsp[i] = lsum[i];
+        numerators(lsp);
+        fence_async_smem();
+        stamp3(step, 2);
+        const bool rescale = bar_or(2, 256, flag);
+        stamp(step, 3);
+        if (rescale) {  // (sRED, in P^T, is written only after every warp's P^T stores)
+            move_ref();
+            numerators(lsum);
+            fence_async_smem();
+            bar_sync(4, 256);
+        } else {
+#pragma unroll
+            for (int i = 0; i < NJ * 2; ++i) lsum[i] = lsp[i];
         }
+        stamp3(step, 3);
+#else
+        stamp3(step, 2);
+        const bool rescale = bar_or(2, 256, flag);
+        stamp(step, 3);
+        if (rescale) move_ref();
+        numerators(lsum);
         fence_async_smem();
         stamp3(step, 3);
         bar_sync(4, 256);
+#endif
         stamp(step, 4);
 
         // ---- O^T += V^T P^T over the step's tokens: this warpgroup's 256 latent dims ----

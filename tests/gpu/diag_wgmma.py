@@ -70,6 +70,8 @@ def _base_kernel(shape, device):
     else:
         k.smem = shape.shared_bytes()
     k.fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **defines)
+    k.qh_only = "__restrict__ q_lat" not in _base_source()  # (before session 8)
+    k.reads_qh = k.qh_only or not defines.get("QF", int(shape.tier_id == 1))
     set_dynamic_smem(k.fn, k.smem)
     return k
 
@@ -155,10 +157,11 @@ def tune(variants: list[str]) -> None:
     os.environ.pop(gpu.TMA_ENV, None)
 
 
-def _launch_wg(wg, W, groups, qh, qs, planes, tables, plan, lut, maps, o_part, ml_part, hpad):
-    """attn_wg alone, with the arguments attention._launch_wg gives it."""
+def _launch_wg(wg, W, groups, q, planes, tables, plan, lut, maps, o_part, ml_part, hpad):
+    """attn_wg alone, with the arguments attention._launch_wg gives it (q: its first ones,
+    attention.wg_query_args)."""
     wg.fn((W, groups), (gpu.WG_THREADS,), (
-        qh, qs, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+        *q, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
         np.int32(tables.shape[1]), np.int32(planes.l_scale.shape[1]), plan.work, lut, maps,
         o_part, ml_part, np.int32(hpad)), shared_mem=wg.smem)
 
@@ -195,8 +198,9 @@ def parts() -> None:
         calls = {
             "qprep": lambda: ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H),
                                                          np.int32(hpad), np.float32(SCALE))),
-            "attn_wg": lambda: _launch_wg(wg, W, groups, qh, qs, planes, tables, plan, lut, maps,
-                                          o_part, ml_part, hpad),
+            "attn_wg": lambda: _launch_wg(wg, W, groups, gpu.wg_query_args(
+                wg, q_lat, q_rope, SCALE, qh, qs), planes, tables, plan, lut, maps, o_part,
+                ml_part, hpad),
             "combine": lambda: ks.combine((B, H), (128,), (o_part, ml_part, plan.splits, out,
                                                            np.int32(H), np.int32(hpad))),
         }
@@ -242,7 +246,8 @@ def prof() -> None:
             pv = p * int(os.environ.get("PROF_MODE", "1"))  # 3: also S^T / softmax parts
             wg = make(replace(shape, tuning=shape.tuning + (("PROF", pv),)), dev)
             o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
-            fn = lambda: _launch_wg(wg, W, groups, qh, qs, planes, tables, plan, lut,  # noqa: E731
+            q = gpu.wg_query_args(wg, q_lat, q_rope, SCALE, qh, qs)
+            fn = lambda: _launch_wg(wg, W, groups, q, planes, tables, plan, lut,  # noqa: E731
                                     maps, o_part, ml_part, hpad)
             times[p] = _graph_time(fn, 10)[0]
         fn()
@@ -281,6 +286,8 @@ def prof() -> None:
             # [cta, wg, step, j]: j 0 rope done, 1 latent done, 2 flag made, 3 P^T stored
             sub = st[:, 2048:3072].reshape(-1, 2, 64, 8)[:, :, lo:hi, :4]
             ph = t[:, :, lo:hi, :]
+            # (SPEC=1, kv8's default: "flag made" includes the P^T stores made before the
+            # vote, and "P^T made" is only the rare remake after a rescale)
             parts = [("to rope done", sub[..., 0] - ph[..., 1]),
                      ("latent loop", sub[..., 1] - sub[..., 0]),
                      ("final scale", ph[..., 2] - sub[..., 1]),
