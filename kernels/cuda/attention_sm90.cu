@@ -406,8 +406,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     extern __shared__ __align__(1024) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31;
     // PROF: 4096 u64 stamps per CTA past the end of o_part: [c * 512 + step * 8 + phase] for
-    // lane 0 of warp 4c, [1024 + h] the producer's issue of half-tile h, [2000..2002] start,
-    // end of the prologue, end of the epilogue
+    // lane 0 of warp 4c, [1024 + h] the producer's issue of half-tile h, [2000..2003] start,
+    // end of the prologue, end of the epilogue, the first __syncthreads passed,
+    // [2004..2006] consumer 0's setmaxnreg done, its Q^T loads issued, its Q^T stores done
     unsigned long long* prof = (unsigned long long*)(o_part + (size_t)gridDim.x * Hpad * DL) +
                                ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 4096;
     if (PROF && tid == 0) prof[2000] = clk64();
@@ -445,6 +446,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     }
     fence_async_smem();  // the zeros before any TMA write
     __syncthreads();
+    if (PROF && tid == 0) prof[2003] = clk64();
 
     if (warp >= NCW) {
         // ---------------- producer: raw half-tiles into the ring ----------------
@@ -577,6 +579,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     } else {
     // ---------------- consumers ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGS));
+    if (PROF && tid == 0) prof[2004] = clk64();
     const int cw = warp, wgc = cw >> 2, wi = cw & 3, g = lane >> 2, q = lane & 3;
     const int ctid = tid;  // 0..255
     float* sM = (float*)(smem + SM_M);
@@ -636,6 +639,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 for (int i = 0; i < RPL; ++i) ys[bt][i] = 0.0f;
             }
         }
+        if (PROF && ctid == 0) prof[2005] = clk64();
 #pragma unroll
         for (int bt = 0; bt < NBT; ++bt) {
             const int b0 = bt * NB;
@@ -684,6 +688,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
             bar_sync(1, 256);  // (the staging rows are reused by the next batch)
         }
+        if (PROF && ctid == 0) prof[2006] = clk64();
         for (int h = ctid; h < HN; h += 256) sM[h] = NEG_INF;
 #else
         // Q^T in the permuted, canonical layout (u32 = two adjacent k). A 32-dim group of one
@@ -704,6 +709,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 #pragma unroll
                 for (int c = 0; c < 4; ++c) v[it][c] = __ldg(src + (size_t)h * (DK / 8) + 4 * grp + c);
         }
+        if (PROF && ctid == 0) prof[2005] = clk64();
 #pragma unroll
         for (int it = 0; it < NIT; ++it) {
             const int idx = ctid + 256 * it, grp = idx / HN, h = idx % HN;
@@ -732,6 +738,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
             sM[h] = NEG_INF;
         }
+        if (PROF && ctid == 0) prof[2006] = clk64();
 #endif
 #if TIER == 2
         {

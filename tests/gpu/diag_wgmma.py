@@ -303,6 +303,15 @@ def prof() -> None:
         epi = np.median(st[:, 2002] - t[:, :, n - 1, 5].max(axis=1))
         print(f"  prologue {pro:.0f}, to the first step {first:.0f}, last step to the end {epi:.0f} "
               f"cycles; step 0 {np.median(t[:, 0, 1, 0] - t[:, 0, 0, 0]):.0f}", flush=True)
+        # the prologue from the CTA's start: its first __syncthreads, the producer's first L
+        # issue, the consumers' Q^T made, warpgroup 0's first R entry and L slot landed
+        at = lambda x: np.median(x - st[:, 2000])  # noqa: E731
+        print(f"  from the CTA start: __syncthreads {at(st[:, 2003]):.0f}, first L issue "
+              f"{at(st[:, 1024]):.0f}, Q^T made {at(st[:, 2001]):.0f}, first R landed "
+              f"{at(t[:, 0, 0, 1]):.0f}, first S^T done {at(t[:, 0, 0, 2]):.0f} cycles",
+              flush=True)
+        print(f"  consumer 0: setmaxnreg {at(st[:, 2004]):.0f}, Q^T loads issued "
+              f"{at(st[:, 2005]):.0f}, stored {at(st[:, 2006]):.0f} cycles", flush=True)
         planes = tables = None
         cp.get_default_memory_pool().free_all_blocks()
 
