@@ -70,9 +70,9 @@ def report(sass: str, log: str) -> str:
     hg = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
     loop = ops[hg[0]:hg[-1] + 1] if hg else []
     # O^T: its 32 products (8 groups x 4 m64 tiles at every head count) and what precedes
-    # them back to the barrier that publishes P^T
+    # them back to the barrier that publishes P^T (kv8, SPEC: the vote's barrier.red)
     o0 = hg[-32] if len(hg) >= 32 else 0
-    while o0 > 0 and not ops[o0].startswith("BAR.SYNC"):
+    while o0 > 0 and not ops[o0].startswith(("BAR.SYNC", "BAR.RED")):  # (SPEC: the vote)
         o0 -= 1
     o_loop = ops[o0:hg[-1] + 1] if hg else []
     full_waits = sum("DEPBAR.LE gsb0, 0x0" in op for op in ops)

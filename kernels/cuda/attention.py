@@ -19,9 +19,9 @@ On Hopper (compute capability 9.0) kv8 and tq4 take attention_sm90.cu's attn_wg 
 attn_split (warpgroup MMA, the codes converted in registers; `kernel_path()` says which
 runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu; its copies go through the TMA with tensor
 maps from tma_maps(), or cp.async for block sizes not divisible by 8, rope rows other than
-32 / 64 / 128 bytes and planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). Each of
-its CTAs makes its own f16 queries (the bits attn_qprep makes; no qprep launch), and
-attn_combine merges the chunks; same precision. It
+32 / 64 / 128 bytes and planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). For
+kv8 each of its CTAs makes its own f16 queries (the bits attn_qprep makes; no qprep launch),
+tq4 takes attn_qprep's; attn_combine merges the chunks; same precision. It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 """
@@ -433,6 +433,9 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
                                                planes.l_scale, planes.r_scale)):
         s = _without_tma(s)  # the TMA needs 16-byte aligned planes
     wg = _wg_kernel(s, dev)
+    if not wg.reads_qh and q_lat.data.ptr % 16:  # its 16-byte query loads: attn_qprep's instead
+        s = replace(s, tuning=s.tuning + (("QF", 0),))
+        wg = _wg_kernel(s, dev)
 
     def split(qh, qscale, o_part, ml_part, lut, nb, bs):
         maps = tma_maps(planes) if s.tma else lut  # (unused without the TMA)

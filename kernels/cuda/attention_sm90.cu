@@ -193,6 +193,9 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 __device__ __forceinline__ void bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
 }
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
 __device__ __forceinline__ bool bar_or(int id, int n, bool v) {
     u32 r;
     asm volatile("{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\n"
@@ -599,6 +602,31 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     };
 #endif
     {
+        // A 32-dim group grp of head h (16 words: x[c] = words 4c..4c+3) into Q^T's permuted,
+        // canonical layout (u32 = two adjacent k) as four 16-byte rows of core matrices.
+        // kv8: k-step s0 + j of a group holds its words 8j..8j+7, row half b the words of
+        // parity b (k = 2 qd + e, see the dims' permutation); tq4: k-step s0 + a, half b the
+        // words 2a + b + 4t, t = 0..3 (the pair planes of two k-steps).
+        auto put_group = [&](int h, int grp, const uint4* x) {
+            const int d0 = 32 * grp, dl = d0 < DL ? d0 : d0 - DL, sb = d0 < DL ? 0 : KS_L;
+            unsigned char* row = smem + SM_QT + (h >> 3) * 128 + (h & 7) * 16;
+            auto put = [&](int ks, int half, u32 w0, u32 w1, u32 w2, u32 w3) {
+                *(uint4*)(row + (2 * ks + half) * NJ * 128) = make_uint4(w0, w1, w2, w3);
+            };
+#if TIER == 1
+            const int s0 = sb + dl / 16;
+            put(s0, 0, x[0].x, x[0].z, x[1].x, x[1].z);
+            put(s0, 1, x[0].y, x[0].w, x[1].y, x[1].w);
+            put(s0 + 1, 0, x[2].x, x[2].z, x[3].x, x[3].z);
+            put(s0 + 1, 1, x[2].y, x[2].w, x[3].y, x[3].w);
+#else
+            const int s0 = sb + 2 * (dl >> 5);
+            put(s0, 0, x[0].x, x[1].x, x[2].x, x[3].x);
+            put(s0, 1, x[0].y, x[1].y, x[2].y, x[3].y);
+            put(s0 + 1, 0, x[0].z, x[1].z, x[2].z, x[3].z);
+            put(s0 + 1, 1, x[0].w, x[1].w, x[2].w, x[3].w);
+#endif
+        };
 #if QF
         // Q^T from the f32 queries, as attention.cu's attn_qprep makes qh for kv8 (the same
         // bits): per head scaled to max |q| = 1 in f16; qscale = max |q| x the softmax scale
@@ -606,11 +634,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // the smaller P^T of 32 / 16): lane l holds latent dims 16l..16l+15 and rope dims
         // RPL l.., and stages the head's f16 row in P^T (rows QSTR bytes apart, 16 more than
         // a row, so that the reads below spread over the banks). Then thread (group, head)
-        // moves a 32-dim group of one head (two k-steps) into Q^T's permuted, canonical
-        // layout (u32 = two adjacent k) as four 16-byte rows of core matrices: k-step s0 + j
-        // of a group holds its words 8j..8j+7, row half b the words of parity b (k = 2 qd +
-        // e, see the dims' permutation); consecutive threads take consecutive heads, so that
-        // a warp's stores cover whole banks.
+        // puts a 32-dim group of one head into Q^T; consecutive threads take consecutive
+        // heads, so that a warp's stores cover whole banks.
         constexpr int NG = DK / 32, RPL = DR / 32, QSTR = DK * 2 + 16;
         constexpr int NB = HN * 128 * 2 / QSTR < 8 ? HN * 128 * 2 / QSTR : 8;
         static_assert(NB >= 1 && NB * NG <= 256, "a batch of staged heads fits P^T and the threads");
@@ -675,30 +700,17 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 #pragma unroll
                 for (int c = 0; c < 4; ++c)
                     x[c] = *(const uint4*)(stg + (ctid % NB) * QSTR + 64 * grp + 16 * c);
-                const int d0 = 32 * grp, dl = d0 < DL ? d0 : d0 - DL, sb = d0 < DL ? 0 : KS_L;
-                unsigned char* row = smem + SM_QT + (h >> 3) * 128 + (h & 7) * 16;
-                auto put = [&](int ks, int half, u32 w0, u32 w1, u32 w2, u32 w3) {
-                    *(uint4*)(row + (2 * ks + half) * NJ * 128) = make_uint4(w0, w1, w2, w3);
-                };
-                const int s0 = sb + dl / 16;
-                put(s0, 0, x[0].x, x[0].z, x[1].x, x[1].z);
-                put(s0, 1, x[0].y, x[0].w, x[1].y, x[1].w);
-                put(s0 + 1, 0, x[2].x, x[2].z, x[3].x, x[3].z);
-                put(s0 + 1, 1, x[2].y, x[2].w, x[3].y, x[3].w);
+                put_group(h, grp, x);
             }
             bar_sync(1, 256);  // (the staging rows are reused by the next batch)
         }
         if (PROF && ctid == 0) prof[2006] = clk64();
         for (int h = ctid; h < HN; h += 256) sM[h] = NEG_INF;
 #else
-        // Q^T in the permuted, canonical layout (u32 = two adjacent k). A 32-dim group of one
-        // head (64 bytes of qh, two k-steps) is four 16-byte loads, all of a thread's in flight
-        // at once, whose words make four 16-byte rows of core matrices, stored as such (4-byte
+        // Q^T from attn_qprep's qh: a 32-dim group of one head (64 bytes of qh, two k-steps)
+        // is four 16-byte loads, all of a thread's in flight at once, put as such (4-byte
         // cp.async per word took ~5 us per CTA at 64 heads). Consecutive threads take
         // consecutive heads of a group, so that a warp's stores cover whole banks.
-        // kv8: k-step s0 + j of a group holds its words 8j..8j+7, row half b the words of
-        // parity b (k = 2 qd + e, see the dims' permutation); tq4: k-step s0 + a, half b the
-        // words 2a + b + 4t, t = 0..3 (the pair planes of two k-steps).
         constexpr int NG = DK / 32, NIT = (HN * NG + 255) / 256;
         const uint4* src = (const uint4*)(qh + ((size_t)qn * Hpad + h0) * DK);
         uint4 v[NIT][4];
@@ -714,25 +726,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         for (int it = 0; it < NIT; ++it) {
             const int idx = ctid + 256 * it, grp = idx / HN, h = idx % HN;
             if (idx >= HN * NG) continue;
-            const int d0 = 32 * grp, dl = d0 < DL ? d0 : d0 - DL, sb = d0 < DL ? 0 : KS_L;
-            unsigned char* row = smem + SM_QT + (h >> 3) * 128 + (h & 7) * 16;
-            auto put = [&](int ks, int half, u32 w0, u32 w1, u32 w2, u32 w3) {
-                *(uint4*)(row + (2 * ks + half) * NJ * 128) = make_uint4(w0, w1, w2, w3);
-            };
-            const uint4* x = v[it];
-#if TIER == 1
-            const int s0 = sb + dl / 16;
-            put(s0, 0, x[0].x, x[0].z, x[1].x, x[1].z);
-            put(s0, 1, x[0].y, x[0].w, x[1].y, x[1].w);
-            put(s0 + 1, 0, x[2].x, x[2].z, x[3].x, x[3].z);
-            put(s0 + 1, 1, x[2].y, x[2].w, x[3].y, x[3].w);
-#else
-            const int s0 = sb + 2 * (dl >> 5);
-            put(s0, 0, x[0].x, x[1].x, x[2].x, x[3].x);
-            put(s0, 1, x[0].y, x[1].y, x[2].y, x[3].y);
-            put(s0 + 1, 0, x[0].z, x[1].z, x[2].z, x[3].z);
-            put(s0 + 1, 1, x[0].w, x[1].w, x[2].w, x[3].w);
-#endif
+            put_group(h, grp, v[it]);
         }
         for (int h = ctid; h < HN; h += 256) {
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
@@ -901,6 +895,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 mbar_wait(full(slot), (hm / NSLOT) & 1);
             }
             wg_wait<0>();
+            if (SPEC && step > 0) bar_arrive(5 + wgc, 256);  // (as below)
 #else
             {
                 // rope part: one commit group, then the rows rescaled to the L scale
@@ -922,6 +917,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             u32 w[2][SB][2];
             raw_g(w[0], 0);
             wg_wait<0>();
+            // SPEC: this warpgroup's O^T of the previous step has read P^T (the wait drained
+            // it); the other warpgroup's P^T stores of this step wait for that (named barrier
+            // 5 + c: arrived at here, waited for before its numerators)
+            if (SPEC && step > 0) bar_arrive(5 + wgc, 256);
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 sacc[4 * j] *= rho_a; sacc[4 * j + 1] *= rho_a;
@@ -1065,11 +1064,14 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         };
 #if SPEC
         // P^T made with the current M and c before the vote, whose barrier then also
-        // publishes it: one barrier a step instead of two. A step that moves M or c (rare)
+        // publishes it: one full barrier a step instead of two. A step that moves M or c (rare)
         // makes it again (lsum's share of it is kept apart until the vote).
         float lsp[NJ * 2];
 #pragma unroll
         for (int i = 0; i < NJ * 2; ++i) lsp[i] = lsum[i];
+        // (both warpgroups' O^T of the previous step read the whole of P^T: the other one
+        // must be done with it before these stores; the vote used to order them)
+        if (step > 0) bar_sync(5 + (wgc ^ 1), 256);
         numerators(lsp);
         fence_async_smem();
         stamp3(step, 2);

@@ -196,8 +196,8 @@ def parts() -> None:
         lut = gpu._tq_lut(dev)
         maps = gpu.tma_maps(planes)
         calls = {
-            "qprep": lambda: ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H),
-                                                         np.int32(hpad), np.float32(SCALE))),
+            "qprep": lambda: ks.qprep((B, hpad), (128,), (  # (tq4's; kv8 makes its own)
+                q_lat, q_rope, qh, qs, np.int32(H), np.int32(hpad), np.float32(SCALE * gpu.LOG2E))),
             "attn_wg": lambda: _launch_wg(wg, W, groups, gpu.wg_query_args(
                 wg, q_lat, q_rope, SCALE, qh, qs), planes, tables, plan, lut, maps, o_part,
                 ml_part, hpad),
@@ -237,7 +237,7 @@ def prof() -> None:
         qh = cp.empty((B, hpad, DL + DR), cp.uint16)
         qs = cp.empty((B, hpad), cp.float32)
         ks.qprep((B, hpad), (128,), (q_lat, q_rope, qh, qs, np.int32(H), np.int32(hpad),
-                                     np.float32(SCALE)))
+                                     np.float32(SCALE * gpu.LOG2E)))
         ml_part = cp.zeros((W, hpad, 2), cp.float32)
         lut, maps = gpu._tq_lut(dev), gpu.tma_maps(planes)
         times = {}

@@ -161,6 +161,36 @@ def test_wgmma_and_mma_kernels_agree(tier, H, monkeypatch):
     assert err.max() < 3e-3, err
 
 
+@pytest.mark.parametrize("H", [64, 24])
+def test_kv8_wgmma_switches_give_the_same_bits(H, monkeypatch):
+    """kv8's attn_wg makes its f16 queries in each CTA (QF) and its P^T before the rescale
+    vote (SPEC); with either off (attn_qprep's queries / P^T after the vote) the contexts
+    are the same bits, hostile queries included: a zero head, a huge one, an Inf and a NaN
+    element (H=24: padded heads in the 32-head build)."""
+    if not _hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    rng = np.random.default_rng(13)
+    t, planes, tables = make_pool("kv8", rng)
+    rows, positions = np.array([4, 3, 2, 0, 1]), np.array([2599, 1099, 299, 0, 16])
+    q_lat = rng.standard_normal((5, H, DL)).astype(np.float32)
+    q_rope = rng.standard_normal((5, H, DR)).astype(np.float32)
+    q_lat[0, 1], q_rope[0, 1] = 0.0, 0.0
+    q_lat[1, 2] *= 1e4
+    q_lat[2, 3, 7] = np.inf
+    q_rope[3, 4, 5] = np.nan
+    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+    tab, plan = cp.asarray(tables), gpu.decode_plan(rows, positions)
+    ql, qr = cp.asarray(q_lat), cp.asarray(q_rope)
+    assert gpu.kernel_path(t, H, DL, DR) == "wgmma"
+    base = gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE).get()
+    assert np.isfinite(base[0]).all() and np.isnan(base[2, 3]).all()
+    for tuning in ("QF=0", "SPEC=0"):
+        monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", tuning)
+        other = gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE).get()
+        np.testing.assert_array_equal(other, base, err_msg=tuning)
+
+
 @pytest.mark.parametrize("tier", ["kv8", "tq4"])
 @pytest.mark.parametrize("bs", [8, 32, 64])
 def test_attention_other_block_sizes(tier, bs, monkeypatch):
