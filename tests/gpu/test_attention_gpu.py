@@ -189,6 +189,12 @@ def test_kv8_wgmma_switches_give_the_same_bits(H, monkeypatch):
         monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", tuning)
         other = gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE).get()
         np.testing.assert_array_equal(other, base, err_msg=tuning)
+    monkeypatch.delenv("KVFLEET_CUDA_WG_TUNING")
+    buf = cp.empty(ql.size + 1, cp.float32)  # q_lat 4 bytes past an aligned start: attn_qprep's
+    odd = buf[1:].reshape(ql.shape)
+    odd[...] = ql
+    np.testing.assert_array_equal(gpu.paged_mla_decode(t, dev, tab, plan, odd, qr, SCALE).get(),
+                                  base, err_msg="q_lat not 16-byte aligned")
 
 
 @pytest.mark.parametrize("tier", ["kv8", "tq4"])
