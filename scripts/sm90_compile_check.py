@@ -8,7 +8,7 @@ to 2244; after session 5 kv8 1686 with 4 bytes of spills, tq4 2182 with none), a
 O^T part (from the barrier that publishes P^T to the last product: 384 at kv8 64 heads; the
 unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 406-508). Session 7
 (separate L and R rings, no branches in the softmax flag): kv8 64 heads 1556 with 8 bytes
-of spills, tq4 2041 with none. Session 8 (kv8: P^T before the vote, SPEC): kv8 1775 with none.
+of spills, tq4 2041 with none. Session 8 (kv8: P^T before the vote, SPEC): kv8 1793 with 16 bytes.
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
