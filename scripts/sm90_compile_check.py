@@ -97,8 +97,7 @@ def main() -> None:
             sys.exit(f"extra define {kv!r} must look like NAME=1")
         extra[name] = int(value)
     lib = ctypes.CDLL(args.nvrtc)
-    src = re.sub(r'^\s*#\s*include\s+"([^"]+)"\s*$',  # local headers inlined, as _build does
-                 lambda m: (SOURCE.parent / m.group(1)).read_text(), SOURCE.read_text(), flags=re.M)
+    src = SOURCE.read_text()  # (no local #include: _build.py would inline one, this would not)
     with tempfile.TemporaryDirectory() as tmp:
         for d in shapes():
             d.update(extra)
