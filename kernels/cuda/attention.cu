@@ -606,66 +606,80 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
 
 // out[n, h, :] = sum_s o_part[s] 2^(m_s - M) / sum_s l_s 2^(m_s - M) over the work items
 // [splits[n], splits[n+1]) of query n (zero when it has none); tq4 unrotates the result.
-// grid (N, H), block 128. The split weights are computed once per split (in shared memory,
-// CW at a time), then every thread streams its dims of each split's partial context.
-#define CW 128
-__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
-    for (int o = 16; o > 0; o >>= 1) {
-        float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, w) : v + w;
-    }
-    __syncthreads();  // red may still be read from a previous call
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = red[0];
-    for (int i = 1; i < 4; ++i) v = is_max ? fmaxf(v, red[i]) : v + red[i];
+// grid (N, H), block 128; thread t sums dims t + 128 k. No block barrier before the sums:
+// every warp finds M and L itself (lanes stride over the splits, then shuffles), and the
+// partial contexts of the first CF splits are loaded before that, so that with up to CF
+// splits a query (the common plan: 8 at 16 x 32k) the (max, sum) pairs and the contexts
+// come in one round trip. (The block-reduced form, with three dependent trips through L2
+// and four barriers, took 5.0 us at 16 x 32k, 64 heads.)
+#define CF 8
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
              const int* __restrict__ splits, float* __restrict__ out, int H, int Hpad) {
+#if TIER == 2
     __shared__ float buf[DL];
-    __shared__ float wts[CW];
-    __shared__ float red[4];
-    const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+#endif
+    constexpr int NV = DL / 128;
+    const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31;
     const int ws = splits[n], we = splits[n + 1];
+    auto part = [&](int s) { return o_part + ((size_t)s * Hpad + h) * DL + tid; };
+    float v[CF][NV];
+#pragma unroll
+    for (int j = 0; j < CF; ++j)
+#pragma unroll
+        for (int k = 0; k < NV; ++k) v[j][k] = ws + j < we ? __ldg(part(ws + j) + 128 * k) : 0.0f;
     float M = NEG_INF;
-    for (int s = ws + tid; s < we; s += 128) M = fmaxf(M, ml_part[((size_t)s * Hpad + h) * 2]);
-    M = block_reduce(M, red, true);
+    for (int s = ws + lane; s < we; s += 32) M = fmaxf(M, __ldg(ml_part + ((size_t)s * Hpad + h) * 2));
+    M = warp_max(M);
     float L = 0.0f;
     if (M != NEG_INF)
-        for (int s = ws + tid; s < we; s += 128) {
-            const float* ml = ml_part + ((size_t)s * Hpad + h) * 2;
-            L += ml[1] * exp2f(ml[0] - M);
+        for (int s = ws + lane; s < we; s += 32) {
+            const float2 ml = __ldg((const float2*)(ml_part + ((size_t)s * Hpad + h) * 2));
+            L += ml.y * exp2f(ml.x - M);
         }
-    L = block_reduce(L, red, false);
+    L = warp_sum(L);
     const float invL = L > 0.0f ? 1.0f / L : 0.0f;
-    float acc[DL / 128];
+    float acc[NV];
 #pragma unroll
-    for (int k = 0; k < DL / 128; ++k) acc[k] = 0.0f;
-    for (int s0 = ws; s0 < we; s0 += CW) {
-        const int cnt = min(CW, we - s0);
-        __syncthreads();  // wts of the previous chunk are consumed
-        if (tid < cnt)
-            wts[tid] = M == NEG_INF ? 0.0f : exp2f(ml_part[((size_t)(s0 + tid) * Hpad + h) * 2] - M) * invL;
-        __syncthreads();
-#pragma unroll 4
-        for (int j = 0; j < cnt; ++j) {
-            const float* src = o_part + ((size_t)(s0 + j) * Hpad + h) * DL;
-            const float w = wts[j];
+    for (int k = 0; k < NV; ++k) acc[k] = 0.0f;
+    for (int s0 = ws; s0 < we; s0 += CF) {
+        // lane j < CF: the weight of split s0 + j (its pair is in L1 from the sums above)
+        float wl = 0.0f;
+        if (lane < CF && s0 + lane < we && M != NEG_INF)
+            wl = exp2f(__ldg(ml_part + ((size_t)(s0 + lane) * Hpad + h) * 2) - M) * invL;
 #pragma unroll
-            for (int k = 0; k < DL / 128; ++k) acc[k] += src[tid + 128 * k] * w;
+        for (int j = 0; j < CF; ++j) {
+            const float w = __shfl_sync(0xffffffffu, wl, j);
+#pragma unroll
+            for (int k = 0; k < NV; ++k) acc[k] += v[j][k] * w;
         }
-    }
+        const int s1 = s0 + CF;
+        if (s1 < we)
 #pragma unroll
-    for (int k = 0; k < DL / 128; ++k) buf[tid + 128 * k] = acc[k];
+            for (int j = 0; j < CF; ++j)
+#pragma unroll
+                for (int k = 0; k < NV; ++k) v[j][k] = s1 + j < we ? __ldg(part(s1 + j) + 128 * k) : 0.0f;
+    }
+    float* dst = out + ((size_t)n * H + h) * DL;
 #if TIER == 2
+#pragma unroll
+    for (int k = 0; k < NV; ++k) buf[tid + 128 * k] = acc[k];
     fwht<DL>(buf);
     const float il = 1.0f / sqrtf((float)DL);
     for (int d = tid; d < DL; d += 128) buf[d] = neg_sign(d) ? -(buf[d] * il) : buf[d] * il;
-#endif
     __syncthreads();
-    float* dst = out + ((size_t)n * H + h) * DL;
     for (int d = tid; d < DL; d += 128) dst[d] = buf[d];
+#else
+#pragma unroll
+    for (int k = 0; k < NV; ++k) dst[tid + 128 * k] = acc[k];
+#endif
 }
