@@ -9,6 +9,8 @@ O^T part (from the barrier that publishes P^T to the last product: 384 at kv8 64
 unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 406-508). Session 7
 (separate L and R rings, no branches in the softmax flag): kv8 64 heads 1556 with 8 bytes
 of spills, tq4 2041 with none. Session 8 (kv8: P^T before the vote, SPEC): kv8 1793 with 16 bytes.
+Session 9 (64 heads in clusters of two, evict-first copies): kv8 1781 with 16 bytes, tq4 2032
+with none.
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
@@ -35,12 +37,16 @@ SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "attention_s
 
 def shapes() -> list[dict]:
     """The defines attention._wg_shape picks for GLM-5 widths (512 / 64), block size 16: four
-    L slots and two R entries at 64 heads, five and three below."""
+    L slots and two R entries at 64 heads, five and three below; at 64 heads in clusters of
+    two (_wg_cluster's choice on an H200 when every query has an even number of work items,
+    as in the bench's shapes)."""
     out = []
     for tier in (1, 2):
         for hn in (16, 32, 64):
             ns, nr = (4, 2) if hn == 64 else (5, 3)
-            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=ns, NR=nr, CVT=1, TMA=1, BS=16))
+            cl = dict(CL=2) if hn == 64 else {}
+            out.append(dict(TIER=tier, HN=hn, DL=512, DR=64, NSLOT=ns, NR=nr, CVT=1, TMA=1, BS=16,
+                            **cl))
     return out
 
 

@@ -104,6 +104,33 @@ def set_dynamic_smem(fn, nbytes: int) -> None:
     cp.cuda.driver.funcSetAttribute(fn.ptr, 8, int(nbytes))  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
+@functools.lru_cache(maxsize=None)
+def _max_active_clusters(ptr: int, cluster: int, threads: int, smem: int) -> int:
+    import ctypes
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                    ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                    ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]
+
+    fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    fn.restype = ctypes.c_int
+    cfg = LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem, None, None, 0)
+    n = ctypes.c_int(0)
+    err = fn(ctypes.byref(n), ctypes.c_void_p(ptr), ctypes.byref(cfg))
+    if err:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed ({err}) for a cluster of "
+                           f"{cluster} CTAs x {threads} threads, {smem} bytes of shared memory")
+    return n.value
+
+
+def max_active_clusters(fn, cluster: int, threads: int, smem: int) -> int:
+    """How many clusters of `cluster` CTAs of cupy Function fn (compiled with that
+    __cluster_dims__) the GPU runs at once, with `threads` threads and `smem` bytes of
+    dynamic shared memory each (the driver's cuOccupancyMaxActiveClusters)."""
+    return _max_active_clusters(int(fn.ptr), int(cluster), int(threads), int(smem))
+
+
 def kernel(name: str, func: str, exact: bool = False, **defines: int) -> cp.RawKernel:
     """The compiled function `func` of kernels/cuda/`name` with `defines` as -D macros."""
     key = tuple(sorted((k, int(v)) for k, v in defines.items()))

@@ -21,7 +21,11 @@ runs, KVFLEET_CUDA_WGMMA=0 forces attention.cu; its copies go through the TMA wi
 maps from tma_maps(), or cp.async for block sizes not divisible by 8, rope rows other than
 32 / 64 / 128 bytes and planes not 16-byte aligned; KVFLEET_CUDA_TMA=0 forces cp.async). For
 kv8 each of its CTAs makes its own f16 queries (the bits attn_qprep makes; no qprep launch),
-tq4 takes attn_qprep's; attn_combine merges the chunks; same precision. It
+tq4 takes attn_qprep's; attn_combine merges the chunks; same precision. At 64 heads, where
+every query of the plan has an even number of work items (DecodePlan.cluster), the CTAs of one
+query run in clusters (_wg_cluster: the largest that fits the GPU in one wave; 2 on an H200)
+and each makes 1 / CL of the heads' f16 queries, storing them into the others' shared
+memory (the same bits). It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 """
@@ -36,7 +40,7 @@ import numpy as np
 
 from kernels.cpu import tq4 as tq4_ref
 from kernels.cpu.rotation import rotatable
-from kernels.cuda._build import arch_kernel, kernel, set_dynamic_smem
+from kernels.cuda._build import arch_kernel, kernel, max_active_clusters, set_dynamic_smem
 from kernels.tiers import Tier, get_tier
 
 _TIER_ID = {"f32": 0, "fp8": 1, "tq": 2}
@@ -136,13 +140,18 @@ class WgShape:
     bs: int = 16  # the pool's block size: rows of a TMA box (compiled in with the TMA only)
     tuning: tuple = ()  # extra (name, value) defines from KVFLEET_CUDA_WG_TUNING="SB=2,SW=1":
                         # SB, SW, PW and the timing-only knobs (attention_sm90.cu)
+    cl: int = 1  # CTAs per cluster (CL): consecutive work items of one query share the work
+                 # of making Q^T (see _wg_cluster)
 
     @property
     def defines(self) -> dict:
         bs = dict(BS=self.bs) if self.tma else {}
+        cl = dict(CL=self.cl) if self.cl > 1 else {}
         d = dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                 NR=self.nr, CVT=self.cvt, TMA=self.tma, **bs)
-        d.update(self.tuning)  # (a tuning NSLOT below the shape's leaves shared memory unused)
+                 NR=self.nr, CVT=self.cvt, TMA=self.tma, **bs, **cl)
+        # (a tuning NSLOT below the shape's leaves shared memory unused; a tuning CL only caps
+        # the cluster _wg_cluster picks, which is self.cl)
+        d.update(t for t in self.tuning if t[0] != "CL")
         if d["NSLOT"] > self.nslot:
             raise ValueError(f"KVFLEET_CUDA_WG_TUNING NSLOT={d['NSLOT']}: at most {self.nslot} "
                              f"fit in shared memory for {self.hn} heads of this tier")
@@ -255,6 +264,8 @@ class DecodePlan:
     chunk: int
     max_row: int   # largest block-table row used (checked against the table)
     max_keys: int  # longest key range (checked against the table's capacity)
+    cluster: int = 1  # largest power of two <= 8 that divides every query's work-item count
+                      # (so aligned runs of that many items belong to one query)
 
 
 def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) -> DecodePlan:
@@ -282,8 +293,11 @@ def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) 
     j = np.arange(W) - splits[:-1][q] if W else np.zeros(0, np.int64)
     t0 = j * chunk
     work = np.stack([q, rows[q], t0, np.minimum(t0 + chunk, n_keys[q])], axis=1).astype(np.int32)
+    cluster = 8
+    while cluster > 1 and np.any(counts % cluster):
+        cluster //= 2
     return DecodePlan(cp.asarray(work.reshape(-1, 4)), cp.asarray(splits), len(pos), W, chunk,
-                      int(rows.max(initial=-1)), int(n_keys.max(initial=0)))
+                      int(rows.max(initial=-1)), int(n_keys.max(initial=0)), cluster)
 
 
 @functools.lru_cache(maxsize=None)
@@ -423,6 +437,22 @@ def wg_query_args(wg, q_lat, q_rope, scale: float, qh=None, qscale=None) -> tupl
             np.int32(q_lat.shape[1]), np.float32(scale * LOG2E))
 
 
+def _wg_cluster(shape: WgShape, groups: int, plan, device: int) -> WgShape:
+    """shape with the largest cluster (CL) the plan allows (plan.cluster: aligned runs of
+    work items of one query) whose clusters all fit on the GPU at once (the driver's
+    cuOccupancyMaxActiveClusters; a cluster's CTAs need SMs of one GPC), so the grid stays
+    one wave. KVFLEET_CUDA_WG_TUNING=CL=1 turns clusters off, CL=n caps them at n."""
+    # (at 16 heads, where Q^T is 18 KB, clusters of 2 ran 0.4-1.6 % slower: by default 64
+    # heads only; a tuning CL=n sets the cap at any head count)
+    cl = min(plan.cluster, dict(shape.tuning).get("CL", 8 if shape.hn == 64 else 1))
+    while cl > 1:
+        wg = _wg_kernel(replace(shape, cl=cl), device)
+        if plan.n_work * groups <= cl * max_active_clusters(wg.fn, cl, WG_THREADS, wg.smem):
+            break
+        cl //= 2
+    return replace(shape, cl=max(cl, 1))
+
+
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
                scale: float, out: cp.ndarray) -> None:
     dev = cp.cuda.Device().id
@@ -432,6 +462,7 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
     if s.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
                                                planes.l_scale, planes.r_scale)):
         s = _without_tma(s)  # the TMA needs 16-byte aligned planes
+    s = _wg_cluster(s, groups, plan, dev)
     wg = _wg_kernel(s, dev)
     if not wg.reads_qh and q_lat.data.ptr % 16:  # its 16-byte query loads: attn_qprep's instead
         s = replace(s, tuning=s.tuning + (("QF", 0),))

@@ -97,9 +97,20 @@
 #if QF && TIER == 2          // prologue by each CTA, cost 6 % at 64 heads; not kept)
 #error "QF=1 is kv8 only (tq4 queries are rotated by attn_qprep)"
 #endif
+#define QSTR (DK * 2 + 16)   // QF: bytes per head row staged in P^T, QNB heads a batch
+#define QNB (HN * 128 * 2 / QSTR < 8 ? HN * 128 * 2 / QSTR : 8)
 #ifndef SPEC                 // 1: P^T made before the rescale vote (see the softmax), 0: after
 #define SPEC (TIER == 1)     // it (kv8 16 x 32k: 0.149 -> 0.145 ms at 64 heads, 0.093 -> 0.091
 #endif                       // at 16; tq4 0.186 / 0.128 either way, so tq4 keeps 0: no spills)
+#ifndef CL                   // CTAs per cluster (1, 2, 4 or 8), all of one query and head group
+#define CL 1                 // (attention.py picks it from the plan): each makes the f16 queries
+#endif                       // of HN / CL heads and stores them into every CTA's Q^T (DSMEM)
+static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
+#ifndef EVF                  // 1: the cache's TMA copies marked L2 evict-first (the stream passes
+#define EVF (TIER == 1 || HN < 64)  // once, and the queries and partial contexts keep L2): H200,
+#endif                       // 16 x 32k, kv8 64h 0.1460 -> 0.1452 ms, 16h 0.0878 -> 0.0866, tq4
+                             // 16h 0.1266 -> 0.1232; tq4 64h 0.1850 -> 0.1878 (ptxas then spills
+                             // 104 bytes), so not there
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -153,6 +164,8 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #define SM_REDC (SM_AL + HN * 4)                 // [NCW] warp max of sL, [NCW] = c
 #define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: fullL, emptyL [NSLOT]; fullR, emptyR [NR]
 #define SM_LMK (SM_BAR + 8 * 16)                 // the valid-token mask of each L slot (u64)
+#define SM_QBAR (SM_LMK + 7 * 8)                 // CL > 1: mbarrier of the other CTAs' Q^T stores
+                                                 // (in the eighth mask's place: NSLOT <= 7)
 #define SM_RS (SM_LMK + 8 * 8)                   // per R entry: sL[64], sR[64], the mask (u64)
 #define RS_SL 0
 #define RS_SR (HT * 4)
@@ -169,7 +182,7 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #define SM_SLOT (SM_RR + NR * RR_BYTES)          // L slots
 #define SLOT_BYTES (HT * LROW)                   // (a multiple of 1024)
 #define SM_TOTAL (SM_SLOT + NSLOT * SLOT_BYTES)
-static_assert(2 * (NSLOT + NR) <= 16 && NSLOT <= 8, "the mbarriers and L masks fit");
+static_assert(2 * (NSLOT + NR) <= 16 && NSLOT <= 7, "the mbarriers and L masks fit");
 static_assert(NCW * HN * 4 <= HN * 128 * 2, "the reduction scratch fits in P^T");
 
 static_assert(DL == 512, "each consumer warpgroup's O^T covers 256 latent dims (4 x m64)");
@@ -236,6 +249,21 @@ __device__ __forceinline__ void tma_3d(u32 dst, u64 map, int c0, int c1, int c2,
                  " [%0], [%1, {%2, %3, %4}], [%5];"
                  :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
+// the same with an L2 cache policy (createpolicy)
+__device__ __forceinline__ void tma_3d_hint(u32 dst, u64 map, int c0, int c1, int c2, u32 bar, u64 pol) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1, {%2, %3, %4}], [%5], %6;"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void tma_2d_hint(u32 dst, u64 map, int c0, int c1, u32 bar, u64 pol) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1, {%2, %3}], [%4], %5;" :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar), "l"(pol) : "memory");
+}
+__device__ __forceinline__ u64 evict_first_policy() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
@@ -246,6 +274,35 @@ __device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 bytes) {
 }
 __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Clusters (CL > 1): this CTA's rank, the address of the same shared-memory byte in CTA
+// `rank`, 16- and 4-byte stores there, the cluster-wide barrier (every thread of every CTA
+// arrives; wait also acquires what the others released)
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ u32 mapa(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+// st.async: a store into another CTA's shared memory that completes as transaction bytes on
+// that CTA's mbarrier `bar` (its address there)
+__device__ __forceinline__ void st_async_v4(u32 addr, u32 a, u32 b, u32 c, u32 d, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async_b32(u32 addr, u32 v, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 :: "r"(addr), "r"(v), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -396,7 +453,12 @@ extern "C" __global__ void attn_wg_smem(int* out) { out[0] = SM_TOTAL; }
 // with the softmax scale times log2(e); qh / qscale unused); QF=0: qh [N, Hpad, DK] f16 bits
 // and qscale [N, Hpad] from attn_qprep (the q arguments unused). Writes o_part [W, Hpad, DL]
 // and ml_part [W, Hpad, 2] exactly as attention.cu's attn_split does.
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+#if CL > 1
+#define CLUSTER_DIMS __cluster_dims__(CL, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
+extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NTHREADS, 1)
 attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H,
         float sm_scale_log2e,
@@ -411,7 +473,8 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     // PROF: 4096 u64 stamps per CTA past the end of o_part: [c * 512 + step * 8 + phase] for
     // lane 0 of warp 4c, [1024 + h] the producer's issue of half-tile h, [2000..2003] start,
     // end of the prologue, end of the epilogue, the first __syncthreads passed,
-    // [2004..2006] consumer 0's setmaxnreg done, its Q^T loads issued, its Q^T stores done
+    // [2004..2006] consumer 0's setmaxnreg done, its Q^T loads issued, its Q^T stores done,
+    // [2007] the producer's setmaxnreg done
     unsigned long long* prof = (unsigned long long*)(o_part + (size_t)gridDim.x * Hpad * DL) +
                                ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 4096;
     if (PROF && tid == 0) prof[2000] = clk64();
@@ -429,6 +492,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     if (tid == 0) {
         for (int s = 0; s < NSLOT; ++s) { mbar_init(full(s), TMA ? 1 : 33 * PW); mbar_init(empty(s), NCW); }
         for (int r = 0; r < NR; ++r) { mbar_init(fullR(r), TMA ? 1 : 33 * PW); mbar_init(emptyR(r), 4); }
+        if (CL > 1) mbar_init(smem_u32(smem + SM_QBAR), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // Zero the ring where a slot can be read before a copy wrote it, so that a token never
@@ -448,7 +512,14 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
     }
     fence_async_smem();  // the zeros before any TMA write
+#if CL > 1
+    // (also: every CTA of the cluster runs, its Q^T mbarrier initialised, before any stores
+    // into another's shared memory)
+    cluster_arrive();
+    cluster_wait();
+#else
     __syncthreads();
+#endif
     if (PROF && tid == 0) prof[2003] = clk64();
 
     if (warp >= NCW) {
@@ -459,6 +530,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // The next half-tile's pool rows are looked up before waiting for its slot, so the
         // table loads overlap.
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
+        if (PROF && tid == NCW * 32) prof[2007] = clk64();
 #if TMA
         // Lane k copies block k of each half-tile (64 / BS blocks). Warp NCW copies the L rows
         // into their slots, each block as one 3-D box (128 bytes x BS rows x LROW / 128 column
@@ -478,6 +550,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
             __syncwarp();
             constexpr int nbk = HT / BS;
+            const u64 pol = EVF ? evict_first_policy() : 0ull;
             auto block_of = [&](int h, int k) -> int {
                 const int t = t0 + h * HT + k * BS;
                 return h < nh && k < nbk && t < t1 ? table[t / BS] : -1;
@@ -499,9 +572,11 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                         mbar_arrive_tx(full(slot), SKIPC ? 0u : nblk * (u32)BS * LROW);
                     }
                     __syncwarp();
-                    if (blk >= 0 && !SKIPC)
-                        tma_3d(smem_u32(smem + SM_SLOT + slot * SLOT_BYTES + lane * BS * LROW),
-                               map_l, 0, row, 0, full(slot));
+                    if (blk >= 0 && !SKIPC) {
+                        const u32 dst = smem_u32(smem + SM_SLOT + slot * SLOT_BYTES + lane * BS * LROW);
+                        if (EVF) tma_3d_hint(dst, map_l, 0, row, 0, full(slot), pol);
+                        else tma_3d(dst, map_l, 0, row, 0, full(slot));
+                    }
                 } else {
                     if (h >= NR) mbar_wait(emptyR(re), ((h / NR) - 1) & 1);
                     unsigned char* rs = smem + SM_RS + re * RS_BYTES;
@@ -511,8 +586,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                     }
                     __syncwarp();
                     if (blk >= 0 && !SKIPC) {
-                        tma_2d(smem_u32(smem + SM_RR + re * RR_BYTES + lane * BS * RROW), map_r, 0,
-                               row, fullR(re));
+                        const u32 dst = smem_u32(smem + SM_RR + re * RR_BYTES + lane * BS * RROW);
+                        if (EVF) tma_2d_hint(dst, map_r, 0, row, fullR(re), pol);
+                        else tma_2d(dst, map_r, 0, row, fullR(re));
                         bulk_copy(smem_u32(rs + RS_SL + lane * BS * 4), l_scale + row, BS * 4, fullR(re));
                         bulk_copy(smem_u32(rs + RS_SR + lane * BS * 4), r_scale + row, BS * 4, fullR(re));
                     }
@@ -607,11 +683,31 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // kv8: k-step s0 + j of a group holds its words 8j..8j+7, row half b the words of
         // parity b (k = 2 qd + e, see the dims' permutation); tq4: k-step s0 + a, half b the
         // words 2a + b + 4t, t = 0..3 (the pair planes of two k-steps).
+        const u32 rk = CL > 1 ? cluster_rank() : 0u;  // (CL > 1: this CTA's share of the heads)
+        const u32 qbar = smem_u32(smem + SM_QBAR);
+        if (CL > 1 && ctid == 0) {  // the bytes the other CTAs store here (every head once)
+#if QF
+            int own = 0;  // (QF: the heads of batches rk, rk + CL, ... of QNB heads)
+            for (int b0 = (int)rk * QNB; b0 < HN; b0 += CL * QNB) own += min(QNB, HN - b0);
+            mbar_arrive_tx(qbar, (u32)(HN - own) * (DK * 2 + 4));  // Q^T rows and qscale
+#else
+            mbar_arrive_tx(qbar, (u32)(HN - HN / CL) * (DK * 2));
+#endif
+        }
         auto put_group = [&](int h, int grp, const uint4* x) {
             const int d0 = 32 * grp, dl = d0 < DL ? d0 : d0 - DL, sb = d0 < DL ? 0 : KS_L;
             unsigned char* row = smem + SM_QT + (h >> 3) * 128 + (h & 7) * 16;
             auto put = [&](int ks, int half, u32 w0, u32 w1, u32 w2, u32 w3) {
-                *(uint4*)(row + (2 * ks + half) * NJ * 128) = make_uint4(w0, w1, w2, w3);
+                unsigned char* at = row + (2 * ks + half) * NJ * 128;
+#if CL > 1
+                const u32 a = smem_u32(at);  // into every other CTA of the cluster
+#pragma unroll
+                for (u32 k = 1; k < CL; ++k) {
+                    const u32 r = (rk + k) & (CL - 1);
+                    st_async_v4(mapa(a, r), w0, w1, w2, w3, mapa(qbar, r));
+                }
+#endif
+                *(uint4*)at = make_uint4(w0, w1, w2, w3);
             };
 #if TIER == 1
             const int s0 = sb + dl / 16;
@@ -636,42 +732,42 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // a row, so that the reads below spread over the banks). Then thread (group, head)
         // puts a 32-dim group of one head into Q^T; consecutive threads take consecutive
         // heads, so that a warp's stores cover whole banks.
-        constexpr int NG = DK / 32, RPL = DR / 32, QSTR = DK * 2 + 16;
-        constexpr int NB = HN * 128 * 2 / QSTR < 8 ? HN * 128 * 2 / QSTR : 8;
+        constexpr int NG = DK / 32, RPL = DR / 32, NB = QNB;
         static_assert(NB >= 1 && NB * NG <= 256, "a batch of staged heads fits P^T and the threads");
         unsigned char* stg = smem + SM_PT;
         // every head of this warp loaded first, all in flight at once (one round trip)
         constexpr int NBT = (HN + NB - 1) / NB;  // batches
-        float xs[NBT][16], ys[NBT][RPL];
+        constexpr int NBS = (NBT + CL - 1) / CL;  // this CTA's: batches rk, rk + CL, ...
+        float xs[NBS][16], ys[NBS][RPL];
 #pragma unroll
-        for (int bt = 0; bt < NBT; ++bt) {
-            const int hg = h0 + bt * NB + cw;
+        for (int i = 0; i < NBS; ++i) {
+            const int bt = (int)rk + CL * i, hg = h0 + bt * NB + cw;
             if (cw < NB && bt * NB + cw < HN && hg < H) {
                 const float4* ql = (const float4*)(q_lat + ((size_t)qn * H + hg) * DL) + 4 * lane;
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const float4 v = __ldg(ql + c);
-                    xs[bt][4 * c] = v.x; xs[bt][4 * c + 1] = v.y;
-                    xs[bt][4 * c + 2] = v.z; xs[bt][4 * c + 3] = v.w;
+                    xs[i][4 * c] = v.x; xs[i][4 * c + 1] = v.y;
+                    xs[i][4 * c + 2] = v.z; xs[i][4 * c + 3] = v.w;
                 }
                 const float* qr = q_rope + ((size_t)qn * H + hg) * DR + RPL * lane;
 #pragma unroll
-                for (int i = 0; i < RPL; ++i) ys[bt][i] = __ldg(qr + i);
+                for (int e = 0; e < RPL; ++e) ys[i][e] = __ldg(qr + e);
             } else {
 #pragma unroll
-                for (int i = 0; i < 16; ++i) xs[bt][i] = 0.0f;
+                for (int e = 0; e < 16; ++e) xs[i][e] = 0.0f;
 #pragma unroll
-                for (int i = 0; i < RPL; ++i) ys[bt][i] = 0.0f;
+                for (int e = 0; e < RPL; ++e) ys[i][e] = 0.0f;
             }
         }
         if (PROF && ctid == 0) prof[2005] = clk64();
 #pragma unroll
-        for (int bt = 0; bt < NBT; ++bt) {
-            const int b0 = bt * NB;
+        for (int bi = 0; bi < NBS; ++bi) {
+            const int b0 = ((int)rk + CL * bi) * NB;
             if (cw < NB && b0 + cw < HN) {
                 const int hl = b0 + cw, hg = h0 + hl;
-                float* x = xs[bt];
-                float* y = ys[bt];
+                float* x = xs[bi];
+                float* y = ys[bi];
                 float m = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 16; ++i) m = fmaxf(m, fabsf(x[i]));
@@ -691,7 +787,18 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 for (int i = 0; i < RPL; ++i)
                     ((unsigned short*)(srow + 2 * DL))[RPL * lane + i] =
                         (unsigned short)(pack_h2(y[i] * inv, 0.0f) & 0xFFFFu);
-                if (lane == 0) ((float*)(smem + SM_QS))[hl] = hg < H ? m * sm_scale_log2e : 0.0f;
+                if (lane == 0) {
+                    const float qs = hg < H ? m * sm_scale_log2e : 0.0f;
+#if CL > 1
+                    const u32 a = smem_u32(smem + SM_QS + 4 * hl);
+#pragma unroll
+                    for (u32 k = 1; k < CL; ++k) {
+                        const u32 r = (rk + k) & (CL - 1);
+                        st_async_b32(mapa(a, r), __float_as_uint(qs), mapa(qbar, r));
+                    }
+#endif
+                    ((float*)(smem + SM_QS))[hl] = qs;
+                }
             }
             bar_sync(1, 256);
             if (ctid < NB * NG && b0 + ctid % NB < HN) {
@@ -711,21 +818,22 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // is four 16-byte loads, all of a thread's in flight at once, put as such (4-byte
         // cp.async per word took ~5 us per CTA at 64 heads). Consecutive threads take
         // consecutive heads of a group, so that a warp's stores cover whole banks.
-        constexpr int NG = DK / 32, NIT = (HN * NG + 255) / 256;
+        // With CL > 1 this CTA takes heads rk HS .. of them (HS = HN / CL).
+        constexpr int NG = DK / 32, HS = HN / CL, NIT = (HS * NG + 255) / 256;
         const uint4* src = (const uint4*)(qh + ((size_t)qn * Hpad + h0) * DK);
         uint4 v[NIT][4];
 #pragma unroll
         for (int it = 0; it < NIT; ++it) {
-            const int idx = ctid + 256 * it, grp = idx / HN, h = idx % HN;
-            if (idx < HN * NG)
+            const int idx = ctid + 256 * it, grp = idx / HS, h = (int)rk * HS + idx % HS;
+            if (idx < HS * NG)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) v[it][c] = __ldg(src + (size_t)h * (DK / 8) + 4 * grp + c);
         }
         if (PROF && ctid == 0) prof[2005] = clk64();
 #pragma unroll
         for (int it = 0; it < NIT; ++it) {
-            const int idx = ctid + 256 * it, grp = idx / HN, h = idx % HN;
-            if (idx >= HN * NG) continue;
+            const int idx = ctid + 256 * it, grp = idx / HS, h = (int)rk * HS + idx % HS;
+            if (idx >= HS * NG) continue;
             put_group(h, grp, v[it]);
         }
         for (int h = ctid; h < HN; h += 256) {
@@ -743,6 +851,12 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 #pragma unroll
             for (int j = 0; j < 8; ++j) row[(j + ctid) & 7] = make_uint4(v, v, v, v);
         }
+#endif
+#if CL > 1
+        // the other CTAs' shares of Q^T (and qscale) have landed (their bytes on qbar; no
+        // cluster barrier here: its release waits for the ring's TMA copies in flight, ~5000
+        // cycles at 64 heads, and a producer that took part delayed its first copy as long)
+        mbar_wait(qbar, 0);
 #endif
         fence_async_smem();  // Q^T (generic stores) before the wgmmas read it
         bar_sync(1, 256);

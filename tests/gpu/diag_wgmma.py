@@ -17,7 +17,9 @@ reference and against attention.cu, per variant, printing errors instead of asse
     python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
                                    # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
-                                   # TUNE_H=64 / TUNE_CVT=1 restrict the heads / kv8 cvt;
+                                   # TUNE_H=64 / TUNE_CVT=1 restrict the heads / kv8 cvt,
+                                   # TUNE_TIERS=kv8 the tiers, TUNE_BT=1x32768,16x32768
+                                   # the shapes;
                                    # BASE: the kernel in attention_sm90_base.cu;
                                    # BASE2D: the same with the 2-D L maps of before 12-01)
 
@@ -117,9 +119,9 @@ def _maps_2d_at(l_ptr, r_ptr, rows, lrow, rrow, bs):
 def tune(variants: list[str]) -> None:
     from cluster.bench.attention import _device_planes, _graph_time
     wg_kernel, tma_maps = gpu._wg_kernel, gpu.tma_maps
-    B, T = 16, 32768
     rng = np.random.default_rng(0)
-    for tier_name in ("kv8", "tq4"):
+    for tier_name, (B, T) in ((t, tuple(int(v) for v in bt.split("x"))) for t in os.environ.get("TUNE_TIERS", "kv8,tq4").split(",")
+                              for bt in os.environ.get("TUNE_BT", "16x32768").split(",")):
         tier = get_tier(tier_name)
         planes, tables = _device_planes(tier, B, T, rng)
         for H in (int(h) for h in os.environ.get("TUNE_H", "64,16").split(",")):
@@ -146,7 +148,7 @@ def tune(variants: list[str]) -> None:
                     fn = lambda: gpu.paged_mla_decode(  # noqa: E731
                         tier, planes, tables, plan, q_lat, q_rope, SCALE)
                     t = _graph_time(fn, 10)[0]
-                    print(f"tune {tier_name} H={H} [{v}] cvt={cvt}: {1e3 * t:.3f} ms  "
+                    print(f"tune {tier_name} {B}x{T} H={H} [{v}] cvt={cvt}: {1e3 * t:.4f} ms  "
                           f"(max err {err:.1e})", flush=True)
         planes = tables = None
         cp.get_default_memory_pool().free_all_blocks()
@@ -169,6 +171,7 @@ def _launch_wg(wg, W, groups, q, planes, tables, plan, lut, maps, o_part, ml_par
 def parts() -> None:
     """Time per call at B = 16 for T = 4k .. 32k (the intercept of time against T is the
     fixed cost of a call) and, at 16 x 32k, attn_qprep, attn_wg and attn_combine alone."""
+    from dataclasses import replace
     from cluster.bench.attention import _device_planes, _graph_time
     B, H = 16, 64
     rng = np.random.default_rng(0)
@@ -185,6 +188,11 @@ def parts() -> None:
             print(f"parts {tier_name} H={H} {B}x{T}: {1e3 * t:.4f} ms (W={plan.n_work}, "
                   f"chunk {plan.chunk})", flush=True)
         shape, groups = gpu._wg_shape(tier, H, DL, DR, planes.l_scale.shape[1])
+        shape = gpu._wg_cluster(shape, groups, plan, dev)
+        most = {c: gpu.max_active_clusters(gpu._wg_kernel(replace(shape, cl=c), dev).fn, c,
+                                           gpu.WG_THREADS, shape.shared_bytes()) for c in (2, 4, 8)}
+        print(f"parts {tier_name} H={H}: clusters of {shape.cl}; at most {most} clusters of "
+              f"2 / 4 / 8 at once", flush=True)
         ks = gpu._kernels(gpu.Shape(shape.tier_id, 1, 64, DL, DR), dev)
         hpad, W = groups * shape.hn, plan.n_work
         qh = cp.empty((B, hpad, DL + DR), cp.uint16)
@@ -204,6 +212,13 @@ def parts() -> None:
             "combine": lambda: ks.combine((B, H), (128,), (o_part, ml_part, plan.splits, out,
                                                            np.int32(H), np.int32(hpad))),
         }
+        base = os.path.join(os.path.dirname(gpu.__file__), "attention_base.cu")
+        if os.path.exists(base):  # (an earlier attention.cu, e.g. `git show HEAD:...`)
+            from kernels.cuda._build import kernel
+            old = kernel("attention_base.cu", "attn_combine",
+                         **gpu.Shape(shape.tier_id, 1, 64, DL, DR).defines)
+            calls["combine of attention_base.cu"] = lambda: old(
+                (B, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
         for name, fn in calls.items():
             print(f"parts {tier_name} H={H} {B}x32768 {name} alone: "
                   f"{1e3 * _graph_time(fn, 10)[0]:.4f} ms", flush=True)
@@ -232,6 +247,9 @@ def prof() -> None:
         plan = gpu.decode_plan(np.arange(B), np.full(B, T - 1), n_sm=gpu._device_info(dev)[3] * B // 16,
                                ctas_per_sm=1)
         shape, groups = gpu._wg_shape(tier, H, DL, DR, planes.l_scale.shape[1])
+        if os.environ.get("PROF_BASE") != "1":
+            shape = gpu._wg_cluster(shape, groups, plan, dev)
+        print(f"prof {tier_name} H={H}: clusters of {shape.cl}", flush=True)
         ks = gpu._kernels(gpu.Shape(shape.tier_id, 1, 64, DL, DR), dev)
         hpad, W = groups * shape.hn, plan.n_work
         qh = cp.empty((B, hpad, DL + DR), cp.uint16)
@@ -312,6 +330,7 @@ def prof() -> None:
               flush=True)
         print(f"  consumer 0: setmaxnreg {at(st[:, 2004]):.0f}, Q^T loads issued "
               f"{at(st[:, 2005]):.0f}, stored {at(st[:, 2006]):.0f} cycles", flush=True)
+        print(f"  producer: setmaxnreg {at(st[:, 2007]):.0f} cycles", flush=True)
         planes = tables = None
         cp.get_default_memory_pool().free_all_blocks()
 

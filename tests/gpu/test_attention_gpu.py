@@ -198,6 +198,59 @@ def test_kv8_wgmma_switches_give_the_same_bits(H, monkeypatch):
 
 
 @pytest.mark.parametrize("tier", ["kv8", "tq4"])
+@pytest.mark.parametrize("H", [64, 24, 16])
+def test_wgmma_clusters_give_the_same_bits(tier, H, monkeypatch):
+    """Where every query has a multiple of 8 work items, attn_wg can run in clusters of 8 CTAs
+    of one query that share making Q^T (each makes 1 / 8 of the heads and stores them into
+    the others): the contexts are the bits of clusters of 4, 2 and none (KVFLEET_CUDA_WG_TUNING
+    CL caps; by default clusters serve 64 heads only), and within 2e-3 of float64 over the
+    hostile pool; hostile queries too (a zero head, a huge one, an Inf and a NaN element)."""
+    if not _hopper():
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    rng = np.random.default_rng(17 + H)
+    t, planes, tables = make_pool(tier, rng)
+    rows, positions = np.array([4, 3, 4, 3, 4]), np.array([1023, 1023, 2047, 511, 511])
+    q_lat = rng.standard_normal((5, H, DL)).astype(np.float32)
+    q_rope = rng.standard_normal((5, H, DR)).astype(np.float32)
+    q_lat[0, 1], q_rope[0, 1] = 0.0, 0.0
+    q_lat[1, 2] *= 1e4
+    q_lat[3, 3, 7] = np.inf
+    q_rope[4, 4, 5] = np.nan
+    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+    tab, ql, qr = cp.asarray(tables), cp.asarray(q_lat), cp.asarray(q_rope)
+    # three queries of 2048 keys in 256-token chunks: 8 work items each
+    r8, p8 = np.array([4, 4, 4]), np.array([2047, 2047, 2047])
+    plan = gpu.decode_plan(r8, p8, n_sm=24)
+    assert plan.cluster == 8 and plan.n_work == 24
+    shape, groups = gpu._wg_shape(t, H, DL, DR, BS)  # (by default only 64 heads use clusters)
+    assert gpu._wg_cluster(shape, groups, plan, cp.cuda.Device().id).cl == (8 if H == 64 else 1)
+    monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", "CL=8")
+    shape, groups = gpu._wg_shape(t, H, DL, DR, BS)
+    assert gpu._wg_cluster(shape, groups, plan, cp.cuda.Device().id).cl == 8
+    base = gpu.paged_mla_decode(t, dev, tab, plan, ql[:3], qr[:3], SCALE).get()
+    want = reference(t, planes, tables, r8, p8, q_lat[:3], q_rope[:3])
+    for i in range(3):
+        ok = [h for h in range(H) if abs(q_lat[i, h]).max() < 1e3]  # (the huge head: its own check)
+        err = np.linalg.norm(base[i, ok] - want[i, ok]) / np.linalg.norm(want[i, ok])
+        assert err < 2e-3, f"{tier} H={H} query {i}: rel err {err:.2e}"
+    assert np.isfinite(base).all()
+    for cap in ("CL=4", "CL=2", "CL=1"):
+        monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", cap)
+        other = gpu.paged_mla_decode(t, dev, tab, plan, ql[:3], qr[:3], SCALE).get()
+        np.testing.assert_array_equal(other, base, err_msg=cap)
+    # all five queries (Inf, NaN) in 256-token chunks: 4, 4, 8, 2, 2 items, clusters of 2
+    plan = gpu.decode_plan(rows, positions, n_sm=40)
+    assert plan.cluster == 2
+    monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", "CL=8")
+    base = gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE).get()
+    assert np.isnan(base[3, 3]).all() and np.isnan(base[4, 4]).all()
+    monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", "CL=1")
+    np.testing.assert_array_equal(gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE).get(),
+                                  base, err_msg="clusters of 2")
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
 @pytest.mark.parametrize("bs", [8, 32, 64])
 def test_attention_other_block_sizes(tier, bs, monkeypatch):
     """Pool blocks of 8 rows (eight TMA boxes a half-tile), 32 and 64 rows (two boxes, one):
