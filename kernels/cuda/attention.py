@@ -32,7 +32,9 @@ encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import cupy as cp
@@ -46,6 +48,16 @@ from kernels.tiers import Tier, get_tier
 _TIER_ID = {"f32": 0, "fp8": 1, "tq": 2}
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256  # tokens; shorter chunks cost more in partial contexts than they save
+log = logging.getLogger(__name__)
+# Slower paths taken inside this module (e.g. attn_wg unclustered after a driver error), by
+# name; the first of each is logged.
+fallbacks: Counter = Counter()
+
+
+def _count_fallback(what: str, why: str) -> None:
+    if not fallbacks[what]:
+        log.warning("%s: %s (counted in kernels.cuda.attention.fallbacks)", what, why)
+    fallbacks[what] += 1
 
 
 def has_kernel(tier: Tier | str, kv_lora: int, rope: int) -> bool:
@@ -147,8 +159,10 @@ class WgShape:
     def defines(self) -> dict:
         bs = dict(BS=self.bs) if self.tma else {}
         cl = dict(CL=self.cl) if self.cl > 1 else {}
+        # QF: kv8 CTAs make their f16 queries from the f32 ones; tq4 reads attn_qprep's (its
+        # rotation cost more in the prologue than the launch saves). A tuning QF=0 overrides.
         d = dict(TIER=self.tier_id, HN=self.hn, DL=self.dl, DR=self.dr, NSLOT=self.nslot,
-                 NR=self.nr, CVT=self.cvt, TMA=self.tma, **bs, **cl)
+                 NR=self.nr, CVT=self.cvt, TMA=self.tma, QF=int(self.tier_id == 1), **bs, **cl)
         # (a tuning NSLOT below the shape's leaves shared memory unused; a tuning CL only caps
         # the cluster _wg_cluster picks, which is self.cl)
         d.update(t for t in self.tuning if t[0] != "CL")
@@ -358,15 +372,10 @@ def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, 
 class _WgKernel:
     """attn_wg of one WgShape, compiled for sm_90a, shared memory limit set once."""
 
-    qh_only = False  # (diag_wgmma's builds of kernels before 2026-12-01 session 8: only qh
-                     # and qscale as their first arguments)
-
     def __init__(self, shape: WgShape):
         self.fn = arch_kernel("attention_sm90.cu", "attn_wg", "sm_90a", **shape.defines)
         self.smem = shape.shared_bytes()
-        # kv8 CTAs make their f16 queries from the f32 ones (the kernel's QF); tq4 reads
-        # attn_qprep's (the rotation costs more in the prologue than its launch)
-        self.reads_qh = not shape.defines.get("QF", int(shape.tier_id == 1))
+        self.reads_qh = not shape.defines["QF"]  # (attn_qprep's qh and qscale)
         set_dynamic_smem(self.fn, self.smem)
 
 
@@ -430,8 +439,6 @@ def _without_tma(shape: WgShape) -> WgShape:
 def wg_query_args(wg, q_lat, q_rope, scale: float, qh=None, qscale=None) -> tuple:
     """attn_wg's first arguments: attn_qprep's qh / qscale (null where wg makes its own f16
     queries), the f32 queries, their head count and the softmax scale in base 2."""
-    if wg.qh_only:
-        return qh, qscale
     null = np.uint64(0)
     return (null if qh is None else qh, null if qscale is None else qscale, q_lat, q_rope,
             np.int32(q_lat.shape[1]), np.float32(scale * LOG2E))
@@ -443,14 +450,20 @@ def _wg_cluster(shape: WgShape, groups: int, plan, device: int) -> WgShape:
     cuOccupancyMaxActiveClusters; a cluster's CTAs need SMs of one GPC), so the grid stays
     one wave. KVFLEET_CUDA_WG_TUNING=CL=1 turns clusters off, CL=n caps them at n."""
     # (at 16 heads, where Q^T is 18 KB, clusters of 2 ran 0.4-1.6 % slower: by default 64
-    # heads only; a tuning CL=n sets the cap at any head count)
-    cl = min(plan.cluster, dict(shape.tuning).get("CL", 8 if shape.hn == 64 else 1))
+    # heads only; a tuning CL=n sets the cap at any head count, rounded down to 1, 2, 4, 8)
+    cap = max(1, min(8, dict(shape.tuning).get("CL", 8 if shape.hn == 64 else 1)))
+    cl = 1 << (min(plan.cluster, cap).bit_length() - 1) if plan.n_work else 1
     while cl > 1:
         wg = _wg_kernel(replace(shape, cl=cl), device)
-        if plan.n_work * groups <= cl * max_active_clusters(wg.fn, cl, WG_THREADS, wg.smem):
+        try:
+            most = max_active_clusters(wg.fn, cl, WG_THREADS, wg.smem)
+        except RuntimeError as e:  # (counted and logged once; the kernel runs unclustered)
+            _count_fallback("attn_wg clusters", f"cuOccupancyMaxActiveClusters failed: {e}")
+            return replace(shape, cl=1)
+        if plan.n_work * groups <= cl * most:
             break
         cl //= 2
-    return replace(shape, cl=max(cl, 1))
+    return replace(shape, cl=cl)
 
 
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
@@ -462,6 +475,8 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
     if s.tma and any(a.data.ptr % 16 for a in (planes.l_codes, planes.r_codes,
                                                planes.l_scale, planes.r_scale)):
         s = _without_tma(s)  # the TMA needs 16-byte aligned planes
+    if groups > 1 and "EVF" not in dict(s.tuning):  # (two CTAs read each row: keep it in L2)
+        s = replace(s, tuning=s.tuning + (("EVF", 0),))
     s = _wg_cluster(s, groups, plan, dev)
     wg = _wg_kernel(s, dev)
     if not wg.reads_qh and q_lat.data.ptr % 16:  # its 16-byte query loads: attn_qprep's instead

@@ -165,7 +165,7 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: fullL, emptyL [NSLOT]; fullR, emptyR [NR]
 #define SM_LMK (SM_BAR + 8 * 16)                 // the valid-token mask of each L slot (u64)
 #define SM_QBAR (SM_LMK + 7 * 8)                 // CL > 1: mbarrier of the other CTAs' Q^T stores
-                                                 // (in the eighth mask's place: NSLOT <= 7)
+                                                 // (in the eighth mask's place: NSLOT <= 6 anyway)
 #define SM_RS (SM_LMK + 8 * 8)                   // per R entry: sL[64], sR[64], the mask (u64)
 #define RS_SL 0
 #define RS_SR (HT * 4)
@@ -280,13 +280,20 @@ __device__ __forceinline__ void fence_async_smem() {
 // arrives; wait also acquires what the others released)
 __device__ __forceinline__ u32 cluster_rank() {
     u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
 }
-__device__ __forceinline__ u32 mapa(u32 addr, u32 rank) {
+__device__ __forceinline__ u32 mapa(u32 addr, u32 rank) {  // (pure: the compiler may share it)
     u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
+}
+// mbar_wait with acquire at cluster scope: for bytes that other CTAs' st.async completed
+__device__ __forceinline__ void mbar_wait_cluster(u32 a, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(a), "r"(parity) : "memory");
 }
 // st.async: a store into another CTA's shared memory that completes as transaction bytes on
 // that CTA's mbarrier `bar` (its address there)
@@ -856,7 +863,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // the other CTAs' shares of Q^T (and qscale) have landed (their bytes on qbar; no
         // cluster barrier here: its release waits for the ring's TMA copies in flight, ~5000
         // cycles at 64 heads, and a producer that took part delayed its first copy as long)
-        mbar_wait(qbar, 0);
+        mbar_wait_cluster(qbar, 0);
 #endif
         fence_async_smem();  // Q^T (generic stores) before the wgmmas read it
         bar_sync(1, 256);

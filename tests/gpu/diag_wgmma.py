@@ -71,11 +71,23 @@ def _base_kernel(shape, device):
         defines["NSLOT"], k.smem = _slots_of(shape)
     else:
         k.smem = shape.shared_bytes()
-    k.fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **defines)
-    k.qh_only = "__restrict__ q_lat" not in _base_source()  # (before session 8)
-    k.reads_qh = k.qh_only or not defines.get("QF", int(shape.tier_id == 1))
-    set_dynamic_smem(k.fn, k.smem)
+    fn = arch_kernel("attention_sm90_base.cu", "attn_wg", "sm_90a", **defines)
+    set_dynamic_smem(fn, k.smem)
+    k.fn, k.reads_qh = fn, not defines["QF"]
+    if "__restrict__ q_lat" not in _base_source():  # (before 2026-12-01 session 8: qh and
+        k.fn, k.reads_qh = _QhOnly(fn), True        # qscale are its only query arguments)
     return k
+
+
+class _QhOnly:
+    """A kernel from before session 8, called with today's arguments (drops the f32 queries,
+    their head count and the scale that attention.wg_query_args puts after qh, qscale)."""
+
+    def __init__(self, fn):
+        self.fn, self.ptr = fn, fn.ptr
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.fn(grid, block, (*args[:2], *args[6:]), shared_mem=shared_mem)
 
 
 def _base_source() -> str:

@@ -237,12 +237,16 @@ def test_wgmma_clusters_give_the_same_bits(tier, H, monkeypatch):
     assert np.isfinite(base).all()
     for cap in ("CL=4", "CL=2", "CL=1"):
         monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", cap)
+        shape, groups = gpu._wg_shape(t, H, DL, DR, BS)
+        assert gpu._wg_cluster(shape, groups, plan, cp.cuda.Device().id).cl == int(cap[3:])
         other = gpu.paged_mla_decode(t, dev, tab, plan, ql[:3], qr[:3], SCALE).get()
         np.testing.assert_array_equal(other, base, err_msg=cap)
     # all five queries (Inf, NaN) in 256-token chunks: 4, 4, 8, 2, 2 items, clusters of 2
     plan = gpu.decode_plan(rows, positions, n_sm=40)
     assert plan.cluster == 2
     monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", "CL=8")
+    shape, groups = gpu._wg_shape(t, H, DL, DR, BS)
+    assert gpu._wg_cluster(shape, groups, plan, cp.cuda.Device().id).cl == 2
     base = gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE).get()
     assert np.isnan(base[3, 3]).all() and np.isnan(base[4, 4]).all()
     monkeypatch.setenv("KVFLEET_CUDA_WG_TUNING", "CL=1")
