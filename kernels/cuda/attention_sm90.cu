@@ -107,10 +107,10 @@
 #endif                       // of HN / CL heads and stores them into every CTA's Q^T (DSMEM)
 static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
 #ifndef EVF                  // 1: the cache's TMA copies marked L2 evict-first (the stream passes
-#define EVF (TIER == 1 || HN < 64)  // once, and the queries and partial contexts keep L2): H200,
-#endif                       // 16 x 32k, kv8 64h 0.1460 -> 0.1452 ms, 16h 0.0878 -> 0.0866, tq4
-                             // 16h 0.1266 -> 0.1232; tq4 64h 0.1850 -> 0.1878 (ptxas then spills
-                             // 104 bytes), so not there
+#define EVF 1                // once, and the queries and partial contexts keep L2): H200, 16 x
+#endif                       // 32k, kv8 64h 0.1460 -> 0.1452 ms, 16h 0.0878 -> 0.0866, tq4 16h
+                             // 0.1266 -> 0.1232 (the policy made at each copy: one kept in a
+                             // register made ptxas spill 104 bytes at tq4 64 heads)
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -557,7 +557,6 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
             __syncwarp();
             constexpr int nbk = HT / BS;
-            const u64 pol = EVF ? evict_first_policy() : 0ull;
             auto block_of = [&](int h, int k) -> int {
                 const int t = t0 + h * HT + k * BS;
                 return h < nh && k < nbk && t < t1 ? table[t / BS] : -1;
@@ -581,7 +580,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                     __syncwarp();
                     if (blk >= 0 && !SKIPC) {
                         const u32 dst = smem_u32(smem + SM_SLOT + slot * SLOT_BYTES + lane * BS * LROW);
-                        if (EVF) tma_3d_hint(dst, map_l, 0, row, 0, full(slot), pol);
+                        if (EVF) tma_3d_hint(dst, map_l, 0, row, 0, full(slot), evict_first_policy());
                         else tma_3d(dst, map_l, 0, row, 0, full(slot));
                     }
                 } else {
@@ -594,7 +593,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                     __syncwarp();
                     if (blk >= 0 && !SKIPC) {
                         const u32 dst = smem_u32(smem + SM_RR + re * RR_BYTES + lane * BS * RROW);
-                        if (EVF) tma_2d_hint(dst, map_r, 0, row, fullR(re), pol);
+                        if (EVF) tma_2d_hint(dst, map_r, 0, row, fullR(re), evict_first_policy());
                         else tma_2d(dst, map_r, 0, row, fullR(re));
                         bulk_copy(smem_u32(rs + RS_SL + lane * BS * 4), l_scale + row, BS * 4, fullR(re));
                         bulk_copy(smem_u32(rs + RS_SR + lane * BS * 4), r_scale + row, BS * 4, fullR(re));
