@@ -449,21 +449,38 @@ def _wg_cluster(shape: WgShape, groups: int, plan, device: int) -> WgShape:
     work items of one query) whose clusters all fit on the GPU at once (the driver's
     cuOccupancyMaxActiveClusters; a cluster's CTAs need SMs of one GPC), so the grid stays
     one wave. KVFLEET_CUDA_WG_TUNING=CL=1 turns clusters off, CL=n caps them at n."""
-    # (at 16 heads, where Q^T is 18 KB, clusters of 2 ran 0.4-1.6 % slower: by default 64
-    # heads only; a tuning CL=n sets the cap at any head count, rounded down to 1, 2, 4, 8)
+    return _cluster_shape(shape, groups, plan.cluster, plan.n_work, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cluster_shape(shape: WgShape, groups: int, cluster: int, n_work: int,
+                   device: int) -> WgShape:
+    # (once per shape and plan size, not per layer; at 16 heads, where Q^T is 18 KB, clusters
+    # of 2 ran 0.4-1.6 % slower: by default 64 heads only; a tuning CL=n sets the cap at any
+    # head count, rounded down to 1, 2, 4, 8)
     cap = max(1, min(8, dict(shape.tuning).get("CL", 8 if shape.hn == 64 else 1)))
-    cl = 1 << (min(plan.cluster, cap).bit_length() - 1) if plan.n_work else 1
+    cl = 1 << (min(cluster, cap).bit_length() - 1) if n_work else 1
     while cl > 1:
         wg = _wg_kernel(replace(shape, cl=cl), device)
         try:
             most = max_active_clusters(wg.fn, cl, WG_THREADS, wg.smem)
-        except RuntimeError as e:  # (counted and logged once; the kernel runs unclustered)
+        except RuntimeError as e:  # (counted and logged; the kernel runs unclustered)
             _count_fallback("attn_wg clusters", f"cuOccupancyMaxActiveClusters failed: {e}")
             return replace(shape, cl=1)
-        if plan.n_work * groups <= cl * most:
+        if n_work * groups <= cl * most:
             break
         cl //= 2
     return replace(shape, cl=cl)
+
+
+def launch_wg(wg: _WgKernel, groups: int, planes, tables, plan, query_args: tuple, lut, maps,
+              o_part: cp.ndarray, ml_part: cp.ndarray) -> None:
+    """attn_wg over plan.work: query_args from wg_query_args(), maps from tma_maps() (any
+    array without the TMA), o_part [>= W, Hpad, DL] and ml_part [W, Hpad, 2]."""
+    wg.fn((plan.n_work, groups), (WG_THREADS,), (
+        *query_args, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
+        np.int32(tables.shape[1]), np.int32(planes.l_scale.shape[1]), plan.work, lut, maps,
+        o_part, ml_part, np.int32(o_part.shape[1])), shared_mem=wg.smem)
 
 
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
@@ -485,10 +502,8 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
 
     def split(qh, qscale, o_part, ml_part, lut, nb, bs):
         maps = tma_maps(planes) if s.tma else lut  # (unused without the TMA)
-        wg.fn((plan.n_work, groups), (WG_THREADS,), (
-            *wg_query_args(wg, q_lat, q_rope, scale, qh, qscale), planes.l_codes,
-            planes.l_scale, planes.r_codes, planes.r_scale, tables, nb, bs, plan.work, lut,
-            maps, o_part, ml_part, np.int32(o_part.shape[1])), shared_mem=wg.smem)
+        launch_wg(wg, groups, planes, tables, plan, wg_query_args(wg, q_lat, q_rope, scale, qh,
+                                                                  qscale), lut, maps, o_part, ml_part)
 
     _flash_decode(ks, groups * shape.hn, planes, tables, plan, q_lat, q_rope, scale, out, split,
                   prep=wg.reads_qh)

@@ -171,15 +171,6 @@ def tune(variants: list[str]) -> None:
     os.environ.pop(gpu.TMA_ENV, None)
 
 
-def _launch_wg(wg, W, groups, q, planes, tables, plan, lut, maps, o_part, ml_part, hpad):
-    """attn_wg alone, with the arguments attention._launch_wg gives it (q: its first ones,
-    attention.wg_query_args)."""
-    wg.fn((W, groups), (gpu.WG_THREADS,), (
-        *q, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
-        np.int32(tables.shape[1]), np.int32(planes.l_scale.shape[1]), plan.work, lut, maps,
-        o_part, ml_part, np.int32(hpad)), shared_mem=wg.smem)
-
-
 def parts() -> None:
     """Time per call at B = 16 for T = 4k .. 32k (the intercept of time against T is the
     fixed cost of a call) and, at 16 x 32k, attn_qprep, attn_wg and attn_combine alone."""
@@ -212,25 +203,23 @@ def parts() -> None:
         o_part = cp.zeros((W, hpad, DL), cp.float32)
         ml_part = cp.zeros((W, hpad, 2), cp.float32)
         out = cp.empty((B, H, DL), cp.float32)
+        cargs = (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad))
         wg = gpu._wg_kernel(shape, dev)
         lut = gpu._tq_lut(dev)
         maps = gpu.tma_maps(planes)
         calls = {
             "qprep": lambda: ks.qprep((B, hpad), (128,), (  # (tq4's; kv8 makes its own)
                 q_lat, q_rope, qh, qs, np.int32(H), np.int32(hpad), np.float32(SCALE * gpu.LOG2E))),
-            "attn_wg": lambda: _launch_wg(wg, W, groups, gpu.wg_query_args(
-                wg, q_lat, q_rope, SCALE, qh, qs), planes, tables, plan, lut, maps, o_part,
-                ml_part, hpad),
-            "combine": lambda: ks.combine((B, H), (128,), (o_part, ml_part, plan.splits, out,
-                                                           np.int32(H), np.int32(hpad))),
+            "attn_wg": lambda: gpu.launch_wg(wg, groups, planes, tables, plan, gpu.wg_query_args(
+                wg, q_lat, q_rope, SCALE, qh, qs), lut, maps, o_part, ml_part),
+            "combine": lambda: ks.combine((B, H), (128,), cargs),
         }
         base = os.path.join(os.path.dirname(gpu.__file__), "attention_base.cu")
         if os.path.exists(base):  # (an earlier attention.cu, e.g. `git show HEAD:...`)
             from kernels.cuda._build import kernel
             old = kernel("attention_base.cu", "attn_combine",
                          **gpu.Shape(shape.tier_id, 1, 64, DL, DR).defines)
-            calls["combine of attention_base.cu"] = lambda: old(
-                (B, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+            calls["combine of attention_base.cu"] = lambda: old((B, H), (128,), cargs)
         for name, fn in calls.items():
             print(f"parts {tier_name} H={H} {B}x32768 {name} alone: "
                   f"{1e3 * _graph_time(fn, 10)[0]:.4f} ms", flush=True)
@@ -277,8 +266,8 @@ def prof() -> None:
             wg = make(replace(shape, tuning=shape.tuning + (("PROF", pv),)), dev)
             o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
             q = gpu.wg_query_args(wg, q_lat, q_rope, SCALE, qh, qs)
-            fn = lambda: _launch_wg(wg, W, groups, q, planes, tables, plan, lut,  # noqa: E731
-                                    maps, o_part, ml_part, hpad)
+            fn = lambda: gpu.launch_wg(wg, groups, planes, tables, plan, q, lut,  # noqa: E731
+                                       maps, o_part, ml_part)
             times[p] = _graph_time(fn, 10)[0]
         fn()
         cp.cuda.Device().synchronize()

@@ -56,6 +56,25 @@ def make_pool(tier_name, rng, lengths=LENGTHS, bs=BS):
     return tier, LayerPlanes(lc, ls, rc, rs), tables
 
 
+def to_device(planes):
+    """The pool's planes as cupy arrays."""
+    return LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
+                                                 planes.r_codes, planes.r_scale)))
+
+
+def hostile_queries(rng, n, H, zero, huge, inf, nan):
+    """Standard normal f32 queries q_lat [n, H, DL], q_rope [n, H, DR] with the head at
+    (query, head) `zero` all zeros, the one at `huge` scaled by 1e4, an Inf latent element
+    in the head at `inf` and a NaN rope element in the head at `nan`."""
+    q_lat = rng.standard_normal((n, H, DL)).astype(np.float32)
+    q_rope = rng.standard_normal((n, H, DR)).astype(np.float32)
+    q_lat[zero], q_rope[zero] = 0.0, 0.0
+    q_lat[huge] *= 1e4
+    q_lat[inf + (7,)] = np.inf
+    q_rope[nan + (5,)] = np.nan
+    return q_lat, q_rope
+
+
 def reference(tier, planes, tables, rows, positions, q_lat, q_rope):
     bs = planes.l_scale.shape[1]
     out = np.zeros(q_lat.shape, np.float64)
@@ -84,8 +103,7 @@ def contexts(tier_name, H, n_sm, seed, bs=BS):
     N = len(rows)
     q_lat = rng.standard_normal((N, H, DL)).astype(np.float32)
     q_rope = rng.standard_normal((N, H, DR)).astype(np.float32)
-    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
-                                                 planes.r_codes, planes.r_scale)))
+    dev = to_device(planes)
     plan = gpu.decode_plan(rows, positions, n_sm=n_sm)
     out = gpu.paged_mla_decode(tier, dev, cp.asarray(tables), plan, cp.asarray(q_lat),
                                cp.asarray(q_rope), SCALE).get()
@@ -121,8 +139,7 @@ def test_attention_one_split_many_tiles_and_two_head_groups(tier):
 def test_attention_rejects_bad_input():
     rng = np.random.default_rng(0)
     tier, planes, tables = make_pool("kv8", rng, lengths=[5])
-    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
-                                                 planes.r_codes, planes.r_scale)))
+    dev = to_device(planes)
     plan = gpu.decode_plan([0], [4])
     q = cp.zeros((1, 4, DL), cp.float64)
     with pytest.raises(TypeError, match="q_lat"):
@@ -149,8 +166,7 @@ def test_wgmma_and_mma_kernels_agree(tier, H, monkeypatch):
     rows, positions = np.array([4, 3, 2, 0]), np.array([2599, 1099, 299, 0])
     q_lat = cp.asarray(rng.standard_normal((4, H, DL)).astype(np.float32))
     q_rope = cp.asarray(rng.standard_normal((4, H, DR)).astype(np.float32))
-    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
-                                                 planes.r_codes, planes.r_scale)))
+    dev = to_device(planes)
     tab = cp.asarray(tables)
     plan = gpu.decode_plan(rows, positions)
     new = gpu.paged_mla_decode(t, dev, tab, plan, q_lat, q_rope, SCALE).get()
@@ -172,14 +188,8 @@ def test_kv8_wgmma_switches_give_the_same_bits(H, monkeypatch):
     rng = np.random.default_rng(13)
     t, planes, tables = make_pool("kv8", rng)
     rows, positions = np.array([4, 3, 2, 0, 1]), np.array([2599, 1099, 299, 0, 16])
-    q_lat = rng.standard_normal((5, H, DL)).astype(np.float32)
-    q_rope = rng.standard_normal((5, H, DR)).astype(np.float32)
-    q_lat[0, 1], q_rope[0, 1] = 0.0, 0.0
-    q_lat[1, 2] *= 1e4
-    q_lat[2, 3, 7] = np.inf
-    q_rope[3, 4, 5] = np.nan
-    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
-                                                 planes.r_codes, planes.r_scale)))
+    q_lat, q_rope = hostile_queries(rng, 5, H, (0, 1), (1, 2), (2, 3), (3, 4))
+    dev = to_device(planes)
     tab, plan = cp.asarray(tables), gpu.decode_plan(rows, positions)
     ql, qr = cp.asarray(q_lat), cp.asarray(q_rope)
     assert gpu.kernel_path(t, H, DL, DR) == "wgmma"
@@ -210,14 +220,8 @@ def test_wgmma_clusters_give_the_same_bits(tier, H, monkeypatch):
     rng = np.random.default_rng(17 + H)
     t, planes, tables = make_pool(tier, rng)
     rows, positions = np.array([4, 3, 4, 3, 4]), np.array([1023, 1023, 2047, 511, 511])
-    q_lat = rng.standard_normal((5, H, DL)).astype(np.float32)
-    q_rope = rng.standard_normal((5, H, DR)).astype(np.float32)
-    q_lat[0, 1], q_rope[0, 1] = 0.0, 0.0
-    q_lat[1, 2] *= 1e4
-    q_lat[3, 3, 7] = np.inf
-    q_rope[4, 4, 5] = np.nan
-    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
-                                                 planes.r_codes, planes.r_scale)))
+    q_lat, q_rope = hostile_queries(rng, 5, H, (0, 1), (1, 2), (3, 3), (4, 4))
+    dev = to_device(planes)
     tab, ql, qr = cp.asarray(tables), cp.asarray(q_lat), cp.asarray(q_rope)
     # three queries of 2048 keys in 256-token chunks: 8 work items each
     r8, p8 = np.array([4, 4, 4]), np.array([2047, 2047, 2047])
@@ -282,8 +286,7 @@ def test_tma_and_cp_async_copies_agree(tier, monkeypatch):
     rows, positions = np.array([1, 4, 4, 3, 0]), np.array([16, 2599, 1999, 1099, 0])
     q_lat = cp.asarray(rng.standard_normal((5, 32, DL)).astype(np.float32))
     q_rope = cp.asarray(rng.standard_normal((5, 32, DR)).astype(np.float32))
-    dev = LayerPlanes(*(cp.asarray(a) for a in (planes.l_codes, planes.l_scale,
-                                                 planes.r_codes, planes.r_scale)))
+    dev = to_device(planes)
     tab = cp.asarray(tables)
     plan = gpu.decode_plan(rows, positions)
     assert gpu._wg_shape(t, 32, DL, DR, BS)[0].tma == 1
