@@ -47,6 +47,12 @@
 //
 // Assumes kv8 live rows carry no NaN codes (0x7F / 0xFF): the GPU encoder never makes them
 // and DevicePool.write_coded maps them to 0x00 (both decode to 0) when rows are uploaded.
+//
+// Code size: the step loop has to fit the SM's instruction cache, about 36 KB of SASS
+// (tests/gpu/diag_icache.py: ~2300 instructions; beyond, every pass refetches it). kv8 at
+// 64 heads is at 28.5 KB, tq4 at 32.5 KB (scripts/sm90_compile_check.py prints the loop's
+// instructions); 750 never-executed instructions added to its rare rescale path made kv8
+// 64 heads 10 % slower (the same code placed after the loop: no change).
 
 #define NCW 8                // consumer warps (two warpgroups)
 #define NTHREADS (32 * NCW + 128)  // + the producer warpgroup
@@ -277,7 +283,7 @@ __device__ __forceinline__ void fence_async_smem() {
 }
 // Clusters (CL > 1): this CTA's rank, the address of the same shared-memory byte in CTA
 // `rank`, 16- and 4-byte stores there, the cluster-wide barrier (every thread of every CTA
-// arrives; wait also acquires what the others released)
+// arrives)
 __device__ __forceinline__ u32 cluster_rank() {
     u32 r;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -305,8 +311,8 @@ __device__ __forceinline__ void st_async_b32(u32 addr, u32 v, u32 bar) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
                  :: "r"(addr), "r"(v), "r"(bar) : "memory");
 }
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+__device__ __forceinline__ void cluster_arrive_relaxed() {  // (no release: see the start barrier)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -519,13 +525,14 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             ((uint4*)(smem + SM_SLOT))[u] = make_uint4(0u, 0u, 0u, 0u);
     }
     fence_async_smem();  // the zeros before any TMA write
-#if CL > 1
-    // (also: every CTA of the cluster runs, its Q^T mbarrier initialised, before any stores
-    // into another's shared memory)
-    cluster_arrive();
-    cluster_wait();
-#else
     __syncthreads();
+#if CL > 1
+    // every CTA of the cluster runs, its Q^T mbarrier initialised, before any stores into
+    // another's shared memory: the relaxed arrive is ordered after the init by
+    // fence.mbarrier_init (a release arrive put a GPU-scope MEMBAR in every thread); what
+    // this CTA's threads wrote before is ordered by __syncthreads
+    cluster_arrive_relaxed();
+    cluster_wait();
 #endif
     if (PROF && tid == 0) prof[2003] = clk64();
 
