@@ -38,8 +38,8 @@
 // shared memory, and each accumulates O^T for its 256 latent dims over all 128 tokens.
 //
 // Softmax: base 2, per-head reference max M_h in shared memory, updated lazily: a step whose
-// scores all stay below M_h + 8 (and whose L scales stay below 128 x the reference c) uses the
-// old M and c (f16 weights <= 2^15); otherwise every warp publishes its maxima and the
+// context weights 2^(score - M_h) * sL_t / c all stay below 2^15 (in f16) uses the old M and
+// the old reference L scale c; otherwise every warp publishes its maxima and the
 // accumulators are rescaled (barrier.red.or decides, uniformly). Scales never touch element
 // data: score = qscale_h * (sL_t q.L_t + sR_t q.R_t), computed as
 // fin_t * (rho_t * (q.R_t) + q.L_t) with rho = sR/sL (the R products run first); context
@@ -117,6 +117,11 @@ static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
 #endif                       // 32k, kv8 64h 0.1460 -> 0.1452 ms, 16h 0.0878 -> 0.0866, tq4 16h
                              // 0.1266 -> 0.1232 (the policy made at each copy: one kept in a
                              // register made ptxas spill 104 bytes at tq4 64 heads)
+#ifndef QFIRST               // 1: the producer's first copies wait until the consumers have
+#define QFIRST QF            // issued their query loads (named barrier 7): kv8 16 x 32k 64h
+#endif                       // 0.1373 -> 0.1352 ms, 16h 0.0846 -> 0.0832; tq4 (qh, half the
+                             // bytes) 0.1793 -> 0.1811, so off there
+
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -354,6 +359,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
                                                             // instructions per exponential)
     return y;
 }
+__device__ __forceinline__ float fast_log2(float x) {  // (0 -> -Inf, +Inf -> +Inf, NaN -> NaN)
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
@@ -569,6 +579,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 return h < nh && k < nbk && t < t1 ? table[t / BS] : -1;
             };
             int blk = block_of(0, lane);
+            if (QFIRST) bar_sync(7, 256 + 64);  // the consumers' query loads go first
             for (int h = 0; h < nh; ++h) {
                 const int slot = h % NSLOT, re = h % NR;
                 const int ti = t0 + h * HT + lane;
@@ -640,6 +651,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             int rows[TPL];
 #pragma unroll
             for (int j = 0; j < TPL; ++j) rows[j] = lookup(0, lane + 32 * (pw + PW * j));
+            if (QFIRST) bar_sync(7, 256 + 32 * PW);  // the consumers' query loads go first
             for (int h = 0; h < nh; ++h) {
                 const int slot = h % NSLOT, re = h % NR;
                 // full(slot) / fullR(re) complete after 32 cp.async arrivals and one plain
@@ -774,6 +786,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             }
         }
         if (PROF && ctid == 0) prof[2005] = clk64();
+        if (QFIRST) bar_arrive(7, 256 + 32 * (TMA ? 2 : PW));  // the producer may copy now
 #pragma unroll
         for (int bi = 0; bi < NBS; ++bi) {
             const int b0 = ((int)rk + CL * bi) * NB;
@@ -843,6 +856,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 for (int c = 0; c < 4; ++c) v[it][c] = __ldg(src + (size_t)h * (DK / 8) + 4 * grp + c);
         }
         if (PROF && ctid == 0) prof[2005] = clk64();
+        if (QFIRST) bar_arrive(7, 256 + 32 * (TMA ? 2 : PW));  // the producer may copy now
 #pragma unroll
         for (int it = 0; it < NIT; ++it) {
             const int idx = ctid + 256 * it, grp = idx / HS, h = (int)rk * HS + idx % HS;
@@ -888,6 +902,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
 #pragma unroll
     for (int i = 0; i < NJ * 2; ++i) lsum[i] = 0.0f;
     float c_ref = 0.0f;  // reference L scale of the context weights (same in every thread)
+    float lc_ref = NEG_INF;  // its log2
     const int ta = 16 * wi + g, tb = ta + 8;  // this thread's S^T rows (tokens of a half-tile)
     const int lt = 16 * wi + (lane & 7) + (lane & 8);  // the row whose address it gives ldmatrix
 
@@ -1111,7 +1126,14 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             over = fmaxf(over, fmaxf(fmaxf(sacc[4 * j], sacc[4 * j + 2]) - m.x,
                                      fmaxf(sacc[4 * j + 1], sacc[4 * j + 3]) - m.y));
         }
-        const bool flag = (va & (sla > 128.0f * c_ref)) | (vb & (slb > 128.0f * c_ref)) | (over > 8.0f);
+        // The largest weight p * sL / c this step would make with the old M and c is at most
+        // 2^(over + log2(max sL / c)) (the two rows' larger scale for both: conservative); it
+        // must stay below 2^15 in f16 (65504 < 2^16). One bound on both factors: with p < 2^8
+        // and sL < 128 c apart, 11 % of the later steps rescaled at kv8 64 heads (bench
+        // data), now 0.6 % (16 x 32k 0.1440 -> 0.1391 ms). lw is -64 while c is 0 and no row
+        // has a scale (a first step still moves M: over is +Inf while M is -Inf).
+        const float lw = fmaxf(fast_log2(fmaxf(va ? sla : 0.0f, vb ? slb : 0.0f)) - lc_ref, -64.0f);
+        const bool flag = over + lw > 15.0f;
         auto move_ref = [&]() {  // M and c from this step's scores; O^T and lsum follow
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
@@ -1158,6 +1180,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 }
             }
             c_ref = cn;
+            lc_ref = fast_log2(cn);
         };
         // ---- numerators -> P^T (f16, weights p * sL / c; zeros without a half-tile) ----
         auto numerators = [&](float* ls) {  // (ls: lsum, or its copy)
@@ -1204,6 +1227,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         stamp3(step, 2);
         const bool rescale = bar_or(2, 256, flag);
         stamp(step, 3);
+        if (PROF == 3 && wi == 0 && lane == 0 && step < 64) prof[2048 + wgc * 512 + step * 8 + 4] = rescale;
         if (rescale) {  // (sRED, in P^T, is written only after every warp's P^T stores)
             move_ref();
             numerators(lsum);
