@@ -13,7 +13,8 @@ reference and against attention.cu, per variant, printing errors instead of asse
                                                # PROF_CASES=kv8/64,tq4/16 picks the cases,
                                                # PROF_B=16,4 the slots (fewer: SMs left idle,
                                                # the same 4096-token chunk), PROF_BASE=1 the
-                                               # kernel in attention_sm90_base.cu
+                                               # kernel in attention_sm90_base.cu,
+                                               # PROF_TUNING=SKIPC=1 defines added
     python3 tests/gpu/diag_wgmma.py --tune "" "PW=2" "SKIPC=1" "SKIPW=4" ...
                                    # time each KVFLEET_CUDA_WG_TUNING at 16 x 32768
                                    # (SKIPC=1: consumers alone, SKIPW=4: copies alone;
@@ -263,7 +264,8 @@ def prof() -> None:
         for p in (0, 1):
             make = _base_kernel if os.environ.get("PROF_BASE") == "1" else gpu._wg_kernel
             pv = p * int(os.environ.get("PROF_MODE", "1"))  # 3: also S^T / softmax parts
-            wg = make(replace(shape, tuning=shape.tuning + (("PROF", pv),)), dev)
+            extra = gpu._tuning(os.environ.get("PROF_TUNING", ""))  # e.g. SKIPC=1
+            wg = make(replace(shape, tuning=shape.tuning + extra + (("PROF", pv),)), dev)
             o_part = cp.zeros((2 * W, hpad, DL), cp.float32)  # stamps past the first W rows
             q = gpu.wg_query_args(wg, q_lat, q_rope, SCALE, qh, qs)
             fn = lambda: gpu.launch_wg(wg, groups, planes, tables, plan, q, lut,  # noqa: E731
@@ -314,6 +316,9 @@ def prof() -> None:
                      ("bar_or wait", ph[..., 3] - sub[..., 2]),
                      ("P^T made", sub[..., 3] - ph[..., 3]),
                      ("P^T barrier", ph[..., 4] - sub[..., 3])]
+            resc = st[:, 2048:3072].reshape(-1, 2, 64, 8)[:, 0, :n, 4]  # (SPEC: the vote)
+            print(f"  steps that rescaled: {resc.mean():.3f} (step 0 {resc[:, 0].mean():.2f}, "
+                  f"steps 1-3 {resc[:, 1:4].mean():.3f}, later {resc[:, 4:].mean():.4f})", flush=True)
             for c in (0, 1):
                 print(f"  wg{c} parts: " + ", ".join(
                     f"{nm} {np.median(v[:, c].mean(axis=1)):.0f}" for nm, v in parts), flush=True)
