@@ -20,7 +20,10 @@ conflict-free) and P^T. No copies from global memory: the step alone. Printed pe
 configuration: cycles per half-tile (warpgroup 0's loop / NH, median over the SMs) against
 the 2176 cycles of products at the dense rate (36 + 32 m64n64k16 wgmmas at 32 cycles).
 attn_wg itself takes ~7000-7500 cycles per step of two half-tiles under PROF (3500-3750 per
-half-tile; docs/benchmarks/2026-12-01-h200-attention-sm90-s10.md).
+half-tile; docs/benchmarks/2026-12-01-h200-attention-sm90-s10.md). The lockstep kernel in this
+file (LOCK=1) is the same structure idealised. Measured on the H200 (2026-12-01, s11.md):
+lockstep 2803, roles 2975, roles with OSPLIT=0 2761-2774, S^T alone on one warpgroup 1370
+(84 % of the dense rate): roles do not beat lockstep.
 
 Knobs (-D): S / X / O: warpgroup 0's S^T products, its softmax, warpgroups 1-2's O^T (0 =
 left out); RD: drain S^T after its first group (attn_wg's rope part, rescaled before the
