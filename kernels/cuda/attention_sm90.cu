@@ -122,6 +122,9 @@ static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
 #endif                       // 0.1373 -> 0.1352 ms, 16h 0.0846 -> 0.0832; tq4 (qh, half the
                              // bytes) 0.1793 -> 0.1811, so off there
 
+#ifndef MSK                  // 1: masked rows' scores made -Inf behind a warp vote (kv8 16 x 32k
+#define MSK (TIER == 1)      // 64h 0.1364 / 0.1367 -> 0.1344 / 0.1343 ms, 16h 0.0846 -> 0.0838;
+#endif                       // tq4 16h 0.1233 -> 0.1246, so off there); 0: a select per score
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -1105,6 +1108,19 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 fence_async_smem();  // before the slot's release lets the TMA write it again
             }
 #endif
+#if MSK
+            // the masked rows' scores -Inf only where a warp has any (the last half-tile of a
+            // work item, or a table with holes): 32 selects less a step elsewhere
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const float2 qs = *(const float2*)(sQS + 8 * j + 2 * q);
+                sacc[4 * j] *= fin_a * qs.x; sacc[4 * j + 1] *= fin_a * qs.y;
+                sacc[4 * j + 2] *= fin_b * qs.x; sacc[4 * j + 3] *= fin_b * qs.y;
+            }
+            if (!__all_sync(0xffffffffu, va & vb))
+#pragma unroll
+                for (int i = 0; i < NJ * 4; ++i) sacc[i] = ((i & 2) ? vb : va) ? sacc[i] : NEG_INF;
+#else
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const float2 qs = *(const float2*)(sQS + 8 * j + 2 * q);
@@ -1113,6 +1129,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 sacc[4 * j + 2] = vb ? sacc[4 * j + 2] * fin_b * qs.x : NEG_INF;
                 sacc[4 * j + 3] = vb ? sacc[4 * j + 3] * fin_b * qs.y : NEG_INF;
             }
+#endif
         }
 
         stamp(step, 2);
