@@ -362,8 +362,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
                                                             // instructions per exponential)
     return y;
 }
-__device__ __forceinline__ float fast_log2(float x) {  // (0 -> -Inf, +Inf -> +Inf, NaN -> NaN)
-    float y;
+__device__ __forceinline__ float fast_log2(float x) {  // (0 and subnormals -> -Inf, +Inf ->
+    float y;                                           // +Inf, NaN -> NaN)
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
@@ -1149,8 +1149,12 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // and sL < 128 c apart, 11 % of the later steps rescaled at kv8 64 heads (bench
         // data), now 0.6 % (16 x 32k 0.1440 -> 0.1391 ms). lw is -64 while c is 0 and no row
         // has a scale (a first step still moves M: over is +Inf while M is -Inf).
-        const float lw = fmaxf(fast_log2(fmaxf(va ? sla : 0.0f, vb ? slb : 0.0f)) - lc_ref, -64.0f);
-        const bool flag = over + lw > 15.0f;
+        // (lw > 64 flags too: sL / c itself, formed before the product, stays finite; only
+        // scale ratios beyond 2^64, which the encoders never make, take it. Scales below
+        // 2^-126 count as 2^-126: lg2.approx.ftz would make a subnormal one -Inf.)
+        const float lm = fmaxf(va ? sla : 0.0f, vb ? slb : 0.0f);
+        const float lw = fmaxf(fast_log2(lm > 0.0f ? fmaxf(lm, 0x1p-126f) : lm) - lc_ref, -64.0f);
+        const bool flag = (over + lw > 15.0f) | (lw > 64.0f);
         auto move_ref = [&]() {  // M and c from this step's scores; O^T and lsum follow
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
