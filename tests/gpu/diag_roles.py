@@ -34,13 +34,26 @@ then wait for warpgroup 0 to finish S^T(h + 1) (so that the rest of O^T(h) runs 
 softmax instead of beside its S^T).
 """
 import sys
+from pathlib import Path
 
 import cupy as cp
 import numpy as np
 
+_KERNEL = Path(__file__).resolve().parents[2] / "kernels" / "cuda" / "attention_sm90.cu"
+
+
+def _helpers() -> str:
+    """attn_wg's device helpers (barriers, descriptors, ldmatrix / stmatrix, the e4m3
+    conversion, the wgmma wrappers): the text of attention_sm90.cu from its typedefs to its
+    first HN-dependent function."""
+    text = _KERNEL.read_text()
+    start, end = "typedef unsigned int u32;", "// desc: descriptor of the operand's base"
+    if start not in text or end not in text:
+        raise RuntimeError(f"{_KERNEL}: the helper section's markers moved ({start!r} ... {end!r})")
+    return "#define CVT 1\n" + text[text.index(start):text.index(end)]
+
+
 SRC = r"""
-typedef unsigned int u32;
-typedef unsigned long long u64;
 #ifndef S
 #define S 1
 #endif
@@ -77,81 +90,154 @@ typedef unsigned long long u64;
 #define NJ 8
 #define KS 36
 #define KROW 592                       // K rows padded: ldmatrix conflict-free
-#define SM_QT 0                        // 64 x 576 f16, canonical K-major
-#define SM_PT (SM_QT + 64 * KS * 32)   // two 64-token P^T buffers (8 KB each)
-#define SM_K (SM_PT + 2 * 8192)        // 64 K rows
-#define SM_V (SM_K + 64 * KROW)        // per context warpgroup, 4 (lock: 8) k-steps x 128
-#define SM_M (SM_V + 2 * 8 * 128 * 32) // threads x 32 bytes
-#define SM_TOTAL (SM_M + 64 * 4)
+#define R_QT 0                         // 64 x 576 f16, canonical K-major
+#define R_PT (R_QT + 64 * KS * 32)     // two 64-token P^T buffers (8 KB each; lock: one of 128)
+#define R_K (R_PT + 2 * 8192)          // 64 K rows
+#define R_V (R_K + 64 * KROW)          // per context warpgroup, 4 (lock: 8) k-steps x 128
+#define R_M (R_V + 2 * 8 * 128 * 32)   // threads x 32 bytes
+#define R_TOTAL (R_M + 64 * 4)
 static_assert(24 + R0 + 2 * R1 <= 512, "setmaxnreg: the registers the CTA starts with");
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ unsigned long long clk64() {
-    unsigned long long c;
-    asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
-    return c;
-}
-__device__ __forceinline__ void bar_sync(int id, int n) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ bool bar_or(int id, int n, bool v) {
-    u32 r;
-    asm volatile("{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\n"
-                 "barrier.cta.red.or.pred po, %2, %3, pi;\nselp.u32 %0, 1, 0, po;\n}\n"
-                 : "=r"(r) : "r"((u32)v), "r"(id), "r"(n) : "memory");
-    return r != 0;
-}
-__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo, u32 sbo) {
-    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)((lbo >> 4) & 0x3FFF) << 16) |
-           ((u64)((sbo >> 4) & 0x3FFF) << 32);
-}
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void stsm_x4_t(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
-                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
-__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-__device__ __forceinline__ void e4m3x4(u32 w, u32& lo, u32& hi) {
-    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-        : "=r"(lo), "=r"(hi) : "r"(w));
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void mma(float* d, const u32* a, u64 desc, u32 off, int acc) {
-    asm volatile("{\n.reg .pred p;\n.reg .b64 dd;\nsetp.ne.b32 p, %38, 0;\nadd.s64 dd, %36, %37;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, dd, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"((u64)off), "r"(acc));
+// The operands: finite halves in [0.25, 2) (Q^T, P^T), finite e4m3 codes (K, V), M = 1.
+__device__ __forceinline__ void fill(unsigned char* smem, int nthreads) {
+    u32* w = (u32*)smem;
+    for (int i = threadIdx.x; i < R_TOTAL / 4; i += nthreads) {
+        u32 x = (u32)i * 2654435761u + 12345u * blockIdx.x;
+        x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
+        w[i] = i < R_K / 4 ? ((x & 0x33FF33FFu) | 0x34003400u)
+             : i < R_M / 4 ? (x & 0x37373737u) : 0x3F800000u;
+    }
+    fence_async_smem();
+    __syncthreads();
 }
 
+// S^T of one half-tile: KS k-steps in groups of SB (raw words by ldmatrix one group ahead,
+// converted e4m3 -> f16), k-step k into chain k % CH; RD: a drain after the first group (attn_wg's
+// rope part), then first() (called there, or after the last wait without RD).
+template <typename F>
+__device__ __forceinline__ void s_tile(float (&sacc)[CH][32], u32 kb, u64 qt_desc, F first) {
+#pragma unroll
+    for (int c = 0; c < CH; ++c)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) sacc[c][i] = 0.0f;
+    auto raw = [&](u32 (*w)[2], int gi) {
+#pragma unroll
+        for (int c = 0; c < SB; c += 2) {
+            u32 r[4];
+            ldsm_x4(kb + (gi * SB + c) * 16, r);
+            w[c][0] = r[0]; w[c][1] = r[1]; w[c + 1][0] = r[2]; w[c + 1][1] = r[3];
+        }
+    };
+    u32 w[2][SB][2];
+    raw(w[0], 0);
+#pragma unroll
+    for (int gi = 0; gi < KS / SB; ++gi) {
+        u32 a[SB][4];
+#pragma unroll
+        for (int u = 0; u < SB; ++u) {
+            e4m3x4(w[gi & 1][u][0], a[u][0], a[u][2]);
+            e4m3x4(w[gi & 1][u][1], a[u][1], a[u][3]);
+        }
+        if (gi + 1 < KS / SB) raw(w[(gi + 1) & 1], gi + 1);
+        wg_fence();
+#pragma unroll
+        for (int u = 0; u < SB; ++u) {
+            const int k = gi * SB + u;
+            wgmma_n64(sacc[k % CH], a[u], qt_desc, (u64)(k * 2 * NJ * 8), k >= CH);
+        }
+        wg_commit();
+        if (RD && gi == 0) {
+            wg_wait<0>();
+            first();
+#pragma unroll
+            for (int i = 0; i < 32; ++i) sacc[0][i] *= 1.0001f;
+        } else {
+            wg_wait<SW>();
+        }
+    }
+    wg_wait<0>();
+    if (!RD) first();
+}
+
+// Softmax of a thread's 32 scores s (scaled, checked against M, exponentials, lsum) into P^T
+// by stmatrix: rows of 8-token group g0 + 2 wi + r. sync() runs between the check and the
+// stores. Returns the largest margin over M (for the vote).
+template <typename F>
+__device__ __forceinline__ float softmax_pt(float* s, float* lsum, const float* sM, u32 pt,
+                                            int g0, int wi, int lane, F sync) {
+    const int q = lane & 3;
+    float over = -1e30f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] *= 1e-3f;
+        over = fmaxf(over, fmaxf(fmaxf(s[4 * j], s[4 * j + 2]) - m.x,
+                                 fmaxf(s[4 * j + 1], s[4 * j + 3]) - m.y));
+    }
+    sync();
+    u32 pr[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
+        const float p0 = fast_exp2(s[4 * j] - m.x), p1 = fast_exp2(s[4 * j + 1] - m.y);
+        const float p2 = fast_exp2(s[4 * j + 2] - m.x), p3 = fast_exp2(s[4 * j + 3] - m.y);
+        lsum[2 * j] += p0 + p2;
+        lsum[2 * j + 1] += p1 + p3;
+        pr[j][0] = pack_h2(p0, p1);
+        pr[j][1] = pack_h2(p2, p3);
+    }
+    const int m4 = lane >> 3, k8 = lane & 7;
+#pragma unroll
+    for (int jp = 0; jp < NJ / 2; ++jp) {
+        const int jj = 2 * jp + (m4 >> 1), r = m4 & 1;
+        const u32 addr = pt + (((g0 + 2 * wi + r) * NJ + jj) * 8 + k8) * 16;
+        stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
+    }
+    fence_async_smem();
+    return over;
+}
+
+// O^T += V^T P^T over NK k-steps of 16 tokens, this warpgroup's 4 m64 tiles (the context
+// code words of k-step kk at vw + kk * 128 * 8, converted as attn_wg's O^T does), WAIT groups
+// left in flight; before(kk) / after(kk) around each k-step's products.
+template <int NK, int WAIT, typename B, typename A>
+__device__ __forceinline__ void o_tile(float (&o)[4][32], const u32* vw, u64 pt_desc, B before,
+                                       A after) {
+    uint4 Xv[2][2];
+    Xv[0][0] = *(const uint4*)vw;
+    Xv[0][1] = *(const uint4*)(vw + 4);
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+        before(kk);
+        const uint4 x0 = Xv[kk & 1][0], x1 = Xv[kk & 1][1];
+        u32 a[4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            const int bb = 2 * (mt & 1);
+            const u32 sel = bb | ((4 + bb) << 4) | ((bb + 1) << 8) | ((5 + bb) << 12);
+            const u32 p01 = mt < 2 ? prmt(x0.x, x0.z, sel) : prmt(x0.y, x0.w, sel);
+            const u32 p23 = mt < 2 ? prmt(x1.x, x1.z, sel) : prmt(x1.y, x1.w, sel);
+            e4m3x4(p01, a[mt][0], a[mt][1]);
+            e4m3x4(p23, a[mt][2], a[mt][3]);
+        }
+        if (kk + 1 < NK) {
+            Xv[(kk + 1) & 1][0] = *(const uint4*)(vw + (kk + 1) * 128 * 8);
+            Xv[(kk + 1) & 1][1] = *(const uint4*)(vw + (kk + 1) * 128 * 8 + 4);
+        }
+        wg_fence();
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) wgmma_n64(o[mt], a[mt], pt_desc, (u64)(kk * 2 * NJ * 8), 1);
+        wg_commit();
+        wg_wait<WAIT>();
+        after(kk);
+    }
+}
+
+__device__ __forceinline__ void report(float* out, unsigned long long t0, unsigned long long t1, float res) {
+    if ((threadIdx.x & 127) == 0) out[(blockIdx.x * 3 + threadIdx.x / 128) * 2] = (float)(t1 - t0);
+    if (res == 1.2345f) out[1] = res;
+}
 
 // The lockstep baseline (attn_wg's structure, idealised as above): 384 threads, warpgroups 0-1
 // each score their half-tile of a 128-token step, do the softmax, publish P^T (128 tokens)
@@ -159,33 +245,23 @@ __device__ __forceinline__ void mma(float* d, const u32* a, u64 desc, u32 off, i
 // warpgroup idles (setmaxnreg 24 / 240 / 240, attn_wg's). nh counts half-tiles (even).
 extern "C" __global__ void __launch_bounds__(384, 1) lock(float* out, int nh) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    fill(smem, 384);
     const int tid = threadIdx.x, lane = tid & 31;
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    {
-        u32* w = (u32*)smem;
-        for (int i = tid; i < SM_TOTAL / 4; i += 384) {
-            u32 x = (u32)i * 2654435761u + 12345u * blockIdx.x;
-            x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
-            w[i] = i < SM_K / 4 ? ((x & 0x33FF33FFu) | 0x34003400u)
-                 : i < SM_M / 4 ? (x & 0x37373737u) : 0x3F800000u;
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-    }
-    const int wgc = warp >> 2, wi = warp & 3, q = lane & 3;
+    const int wgc = warp >> 2, wi = warp & 3;
     if (wgc == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
     float res = 0.0f;
-    const u32 pt_addr = smem_u32(smem + SM_PT);
-    const u64 qt_desc = make_desc(smem_u32(smem + SM_QT), NJ * 128, 128);
+    const u32 pt_addr = smem_u32(smem + R_PT);
+    const u64 qt_desc = make_desc(smem_u32(smem + R_QT), NJ * 128, 128);
     const u64 pt_desc = make_desc(pt_addr, NJ * 128, 128);
-    const float* sM = (const float*)(smem + SM_M);
+    const float* sM = (const float*)(smem + R_M);
     const int lt = 16 * wi + (lane & 7) + (lane & 8);
-    const u32 kb = smem_u32(smem + SM_K) + lt * KROW + ((lane >> 4) & 1) * 16;
-    const u32* vw = (const u32*)(smem + SM_V) + (wgc * 8 * 128 + (tid & 127)) * 8;
+    const u32 kb = smem_u32(smem + R_K) + lt * KROW + ((lane >> 4) & 1) * 16;
+    const u32* vw = (const u32*)(smem + R_V) + (wgc * 8 * 128 + (tid & 127)) * 8;
     float lsum[16], o[4][32];
     for (int i = 0; i < 16; ++i) lsum[i] = 0.0f;
 #pragma unroll
@@ -194,99 +270,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) lock(float* out, int nh) {
         for (int i = 0; i < 32; ++i) o[mt][i] = 0.0f;
     const unsigned long long t0 = clk64();
     for (int step = 0; 2 * step < nh; ++step) {
-        float sacc[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) sacc[i] = 0.0f;
-        auto raw = [&](u32 (*w)[2], int gi) {
-#pragma unroll
-            for (int c = 0; c < SB; c += 2) {
-                u32 r[4];
-                ldsm_x4(kb + (gi * SB + c) * 16, r);
-                w[c][0] = r[0]; w[c][1] = r[1]; w[c + 1][0] = r[2]; w[c + 1][1] = r[3];
-            }
-        };
-        u32 w[2][SB][2];
-        raw(w[0], 0);
-#pragma unroll
-        for (int gi = 0; gi < KS / SB; ++gi) {
-            u32 a[SB][4];
-#pragma unroll
-            for (int u = 0; u < SB; ++u) {
-                e4m3x4(w[gi & 1][u][0], a[u][0], a[u][2]);
-                e4m3x4(w[gi & 1][u][1], a[u][1], a[u][3]);
-            }
-            if (gi + 1 < KS / SB) raw(w[(gi + 1) & 1], gi + 1);
-            wg_fence();
-#pragma unroll
-            for (int u = 0; u < SB; ++u) mma(sacc, a[u], qt_desc, (gi * SB + u) * 2 * NJ * 8, 1);
-            wg_commit();
-            if (RD && gi == 0) {
-                wg_wait<0>();
-                if (step > 0) bar_arrive(5 + wgc, 256);  // (attn_wg's SPEC order)
-#pragma unroll
-                for (int i = 0; i < 32; ++i) sacc[i] *= 1.0001f;
-            } else {
-                wg_wait<SW>();
-            }
-        }
-        wg_wait<0>();
-        if (!RD && step > 0) bar_arrive(5 + wgc, 256);
-        float over = -1e30f;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sacc[4 * j + e] *= 1e-3f;
-            over = fmaxf(over, fmaxf(fmaxf(sacc[4 * j], sacc[4 * j + 2]) - m.x,
-                                     fmaxf(sacc[4 * j + 1], sacc[4 * j + 3]) - m.y));
-        }
-        if (step > 0) bar_sync(5 + (wgc ^ 1), 256);  // the other's O^T is done with P^T
-        u32 pr[NJ][2];
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-            const float p0 = fast_exp2(sacc[4 * j] - m.x), p1 = fast_exp2(sacc[4 * j + 1] - m.y);
-            const float p2 = fast_exp2(sacc[4 * j + 2] - m.x), p3 = fast_exp2(sacc[4 * j + 3] - m.y);
-            lsum[2 * j] += p0 + p2;
-            lsum[2 * j + 1] += p1 + p3;
-            pr[j][0] = pack_h2(p0, p1);
-            pr[j][1] = pack_h2(p2, p3);
-        }
-        const int m4 = lane >> 3, k8 = lane & 7;
-#pragma unroll
-        for (int jp = 0; jp < NJ / 2; ++jp) {
-            const int jj = 2 * jp + (m4 >> 1), r = m4 & 1;
-            const u32 addr = pt_addr + (((8 * wgc + 2 * wi + r) * NJ + jj) * 8 + k8) * 16;
-            stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        float sacc[CH][32];
+        // (attn_wg's SPEC order: this warpgroup's O^T of the last step has read P^T)
+        s_tile(sacc, kb, qt_desc, [&]() { if (step > 0) bar_arrive(5 + wgc, 256); });
+        const float over = softmax_pt(sacc[0], lsum, sM, pt_addr, 8 * wgc, wi, lane, [&]() {
+            if (step > 0) bar_sync(5 + (wgc ^ 1), 256);  // the other's O^T is done with P^T
+        });
         if (bar_or(2, 256, over > 1e30f)) res += 1.0f;  // the vote, which publishes P^T
-        uint4 Xv[2][2];
-        Xv[0][0] = *(const uint4*)vw;
-        Xv[0][1] = *(const uint4*)(vw + 4);
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            const uint4 x0 = Xv[kk & 1][0], x1 = Xv[kk & 1][1];
-            u32 a[4][4];
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
-                const int bb = 2 * (mt & 1);
-                const u32 sel = bb | ((4 + bb) << 4) | ((bb + 1) << 8) | ((5 + bb) << 12);
-                const u32 p01 = mt < 2 ? prmt(x0.x, x0.z, sel) : prmt(x0.y, x0.w, sel);
-                const u32 p23 = mt < 2 ? prmt(x1.x, x1.z, sel) : prmt(x1.y, x1.w, sel);
-                e4m3x4(p01, a[mt][0], a[mt][1]);
-                e4m3x4(p23, a[mt][2], a[mt][3]);
-            }
-            if (kk + 1 < 8) {
-                Xv[(kk + 1) & 1][0] = *(const uint4*)(vw + (kk + 1) * 128 * 8);
-                Xv[(kk + 1) & 1][1] = *(const uint4*)(vw + (kk + 1) * 128 * 8 + 4);
-            }
-            wg_fence();
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) mma(o[mt], a[mt], pt_desc, kk * 2 * NJ * 8, 1);
-            wg_commit();
-            wg_wait<1>();
-        }
+        o_tile<8, 1>(o, vw, pt_desc, [](int) {}, [](int) {});
     }
     wg_wait<0>();
     const unsigned long long t1 = clk64();
@@ -296,91 +287,47 @@ extern "C" __global__ void __launch_bounds__(384, 1) lock(float* out, int nh) {
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int i = 0; i < 32; ++i) res += o[mt][i];
-    if ((tid & 127) == 0) out[(blockIdx.x * 3 + tid / 128) * 2] = (float)(t1 - t0);
-    if (res == 1.2345f) out[1] = res;
+    report(out, t0, t1, res);
 }
 
 // named barriers: 4 + b = P^T buffer b published (warpgroup 0 arrives, 1-2 wait), 6 + b =
 // buffer b free (1-2 arrive, 0 waits); 2 = warpgroup 0's vote; 8 = S^T(h) done (OSPLIT)
 extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    fill(smem, 512);
     const int tid = threadIdx.x, lane = tid & 31;
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    {
-        u32* w = (u32*)smem;
-        for (int i = tid; i < SM_TOTAL / 4; i += 512) {
-            u32 x = (u32)i * 2654435761u + 12345u * blockIdx.x;
-            x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
-            w[i] = i < SM_K / 4 ? ((x & 0x33FF33FFu) | 0x34003400u)  // halves in [0.25, 2)
-                 : i < SM_M / 4 ? (x & 0x37373737u) : 0x3F800000u;   // finite e4m3; M = 1
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-    }
-    const int wg = warp >> 2, wi = warp & 3, g = lane >> 2, q = lane & 3;
+    const int wg = warp >> 2, wi = warp & 3;
     float res = 0.0f;
     unsigned long long t0 = 0, t1 = 0;
     if (wg == 3) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
         return;
     }
-    const u32 pt_addr = smem_u32(smem + SM_PT);
+    const u32 pt_addr = smem_u32(smem + R_PT);
     if (wg == 0) {
 #if R0 < 128
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R0));
 #elif R0 > 128
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R0));
 #endif
-        const u64 qt_desc = make_desc(smem_u32(smem + SM_QT), NJ * 128, 128);
-        const float* sM = (const float*)(smem + SM_M);
+        const u64 qt_desc = make_desc(smem_u32(smem + R_QT), NJ * 128, 128);
+        const float* sM = (const float*)(smem + R_M);
         const int lt = 16 * wi + (lane & 7) + (lane & 8);
-        const u32 kb = smem_u32(smem + SM_K) + lt * KROW + ((lane >> 4) & 1) * 16;
+        const u32 kb = smem_u32(smem + R_K) + lt * KROW + ((lane >> 4) & 1) * 16;
         float lsum[16];
         for (int i = 0; i < 16; ++i) lsum[i] = 0.0f;
         t0 = clk64();
         for (int h = 0; h < nh; ++h) {
             float sacc[CH][32];
+            if (S) {
+                s_tile(sacc, kb, qt_desc, []() {});
+            } else {
 #pragma unroll
-            for (int c = 0; c < CH; ++c)
+                for (int c = 0; c < CH; ++c)
 #pragma unroll
-                for (int i = 0; i < 32; ++i) sacc[c][i] = 0.0f;
-#if S
-            auto raw = [&](u32 (*w)[2], int gi) {
-#pragma unroll
-                for (int c = 0; c < SB; c += 2) {
-                    u32 r[4];
-                    ldsm_x4(kb + (gi * SB + c) * 16, r);
-                    w[c][0] = r[0]; w[c][1] = r[1]; w[c + 1][0] = r[2]; w[c + 1][1] = r[3];
-                }
-            };
-            u32 w[2][SB][2];
-            raw(w[0], 0);
-#pragma unroll
-            for (int gi = 0; gi < KS / SB; ++gi) {
-                u32 a[SB][4];
-#pragma unroll
-                for (int u = 0; u < SB; ++u) {
-                    e4m3x4(w[gi & 1][u][0], a[u][0], a[u][2]);
-                    e4m3x4(w[gi & 1][u][1], a[u][1], a[u][3]);
-                }
-                if (gi + 1 < KS / SB) raw(w[(gi + 1) & 1], gi + 1);
-                wg_fence();
-#pragma unroll
-                for (int u = 0; u < SB; ++u) {
-                    const int k = gi * SB + u;
-                    mma(sacc[k % CH], a[u], qt_desc, k * 2 * NJ * 8, k >= CH);
-                }
-                wg_commit();
-                if (RD && gi == 0) {
-                    wg_wait<0>();
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) sacc[0][i] *= 1.0001f;
-                } else {
-                    wg_wait<SW>();
-                }
+                    for (int i = 0; i < 32; ++i) sacc[c][i] = 0.0f;
             }
-            wg_wait<0>();
-#endif
             if (OSPLIT < 4 && h > 0) bar_arrive(8, 384);  // S^T(h) done: O^T(h - 1) goes on
             float s[32];
 #pragma unroll
@@ -391,42 +338,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
             }
             const int b = h & 1;
             if (h >= 2) bar_sync(6 + b, 384);  // O^T of h - 2 is done with buffer b
-#if X
-            float over = -1e30f;
+            if (X) {
+                const float over = softmax_pt(s, lsum, sM, pt_addr + b * 8192, 0, wi, lane, []() {});
+                if (bar_or(2, 128, over > 1e30f)) res += 1.0f;  // the vote (never true)
+            } else {
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-                s[4 * j] = s[4 * j] * 1e-3f;
-                s[4 * j + 1] = s[4 * j + 1] * 1e-3f;
-                s[4 * j + 2] = s[4 * j + 2] * 1e-3f;
-                s[4 * j + 3] = s[4 * j + 3] * 1e-3f;
-                over = fmaxf(over, fmaxf(fmaxf(s[4 * j], s[4 * j + 2]) - m.x,
-                                         fmaxf(s[4 * j + 1], s[4 * j + 3]) - m.y));
+                for (int i = 0; i < 32; ++i) lsum[i & 15] += s[i];
             }
-            u32 pr[NJ][2];
-#pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const float2 m = *(const float2*)(sM + 8 * j + 2 * q);
-                const float p0 = fast_exp2(s[4 * j] - m.x), p1 = fast_exp2(s[4 * j + 1] - m.y);
-                const float p2 = fast_exp2(s[4 * j + 2] - m.x), p3 = fast_exp2(s[4 * j + 3] - m.y);
-                lsum[2 * j] += p0 + p2;
-                lsum[2 * j + 1] += p1 + p3;
-                pr[j][0] = pack_h2(p0, p1);
-                pr[j][1] = pack_h2(p2, p3);
-            }
-            const int m4 = lane >> 3, k8 = lane & 7;
-#pragma unroll
-            for (int jp = 0; jp < NJ / 2; ++jp) {
-                const int jj = 2 * jp + (m4 >> 1), r = m4 & 1;
-                const u32 addr = pt_addr + b * 8192 + (((2 * wi + r) * NJ + jj) * 8 + k8) * 16;
-                stsm_x4_t(addr, pr[2 * jp][0], pr[2 * jp][1], pr[2 * jp + 1][0], pr[2 * jp + 1][1]);
-            }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            if (bar_or(2, 128, over > 1e30f)) res += 1.0f;  // the vote (never true)
-#else
-#pragma unroll
-            for (int i = 0; i < 32; ++i) lsum[i & 15] += s[i];
-#endif
             bar_arrive(4 + b, 384);
         }
         t1 = clk64();
@@ -435,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R1));
         const int c = wg - 1, ct = tid - 128 * wg;
-        const u32* vw = (const u32*)(smem + SM_V) + (c * 4 * 128 + ct) * 8;
+        const u32* vw = (const u32*)(smem + R_V) + (c * 4 * 128 + ct) * 8;
         float o[4][32];
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt)
@@ -445,41 +363,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
         for (int h = 0; h < nh; ++h) {
             const int b = h & 1;
             bar_sync(4 + b, 384);
-#if O
-            const u64 pt_desc = make_desc(pt_addr + b * 8192, NJ * 128, 128);
-            uint4 Xv[2][2];
-            Xv[0][0] = *(const uint4*)vw;
-            Xv[0][1] = *(const uint4*)(vw + 4);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                if (OSPLIT < 4 && kk == OSPLIT && h + 1 < nh) bar_sync(8, 384);
-                const uint4 x0 = Xv[kk & 1][0], x1 = Xv[kk & 1][1];
-                u32 a[4][4];
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    const int bb = 2 * (mt & 1);
-                    const u32 sel = bb | ((4 + bb) << 4) | ((bb + 1) << 8) | ((5 + bb) << 12);
-                    const u32 p01 = mt < 2 ? prmt(x0.x, x0.z, sel) : prmt(x0.y, x0.w, sel);
-                    const u32 p23 = mt < 2 ? prmt(x1.x, x1.z, sel) : prmt(x1.y, x1.w, sel);
-                    e4m3x4(p01, a[mt][0], a[mt][1]);
-                    e4m3x4(p23, a[mt][2], a[mt][3]);
-                }
-                if (kk + 1 < 4) {
-                    Xv[(kk + 1) & 1][0] = *(const uint4*)(vw + (kk + 1) * 128 * 8);
-                    Xv[(kk + 1) & 1][1] = *(const uint4*)(vw + (kk + 1) * 128 * 8 + 4);
-                }
-                wg_fence();
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt) mma(o[mt], a[mt], pt_desc, kk * 2 * NJ * 8, 1);
-                wg_commit();
-                wg_wait<OW>();
-                // buffer b ^ 1 (half-tile h - 1) is read once this group's wait returned
-                if (kk == 0 && h > 0) bar_arrive(6 + (b ^ 1), 384);
+            if (O) {
+                o_tile<4, OW>(o, vw, make_desc(pt_addr + b * 8192, NJ * 128, 128),
+                    [&](int kk) { if (OSPLIT < 4 && kk == OSPLIT && h + 1 < nh) bar_sync(8, 384); },
+                    // buffer b ^ 1 (half-tile h - 1) is read once k-step 0's wait returned
+                    [&](int kk) { if (kk == 0 && h > 0) bar_arrive(6 + (b ^ 1), 384); });
+            } else {
+                if (h > 0) bar_arrive(6 + (b ^ 1), 384);
+                if (OSPLIT < 4 && h + 1 < nh) bar_sync(8, 384);
             }
-#else
-            if (h > 0) bar_arrive(6 + (b ^ 1), 384);
-            if (OSPLIT < 4 && h + 1 < nh) bar_sync(8, 384);
-#endif
         }
         wg_wait<0>();
         t1 = clk64();
@@ -488,8 +380,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) res += o[mt][i];
     }
-    if ((tid & 127) == 0) out[(blockIdx.x * 3 + tid / 128) * 2] = (float)(t1 - t0);
-    if (res == 1.2345f) out[1] = res;
+    report(out, t0, t1, res);
 }
 """
 
@@ -497,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
 def run(defs: dict, nh: int = 256) -> tuple[float, float]:
     defs = dict(defs)
     name = "lock" if defs.pop("LOCK", 0) else "roles"
-    src = "".join(f"#define {k} {v}\n" for k, v in defs.items()) + SRC
+    src = "".join(f"#define {k} {v}\n" for k, v in defs.items()) + _helpers() + SRC
     mod = cp.RawModule(code=src, options=("-arch=sm_90a", "--std=c++17"))
     fn = mod.get_function(name)
     smem = int(64 * 36 * 32 + 2 * 8192 + 64 * 592 + 2 * 8 * 128 * 32 + 256)
