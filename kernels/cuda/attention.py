@@ -183,9 +183,9 @@ class WgShape:
         """attention_sm90.cu SM_TOTAL (checked against the kernel in tests/gpu)."""
         hn, dk, nr = self.hn, self.dl + self.dr, self.nr
         lrow, rrow = (self.dl, self.dr) if self.tier_id == 1 else (self.dl // 2, self.dr // 2)
-        # Q^T, P^T (the reduction scratch lives in it), qscale / M / factors, c, mbarriers,
-        # the L slots' valid-token masks, the R entries' scales and masks
-        head = hn * dk * 2 + hn * 128 * 2 + 3 * hn * 4 + 64 + 128 + 64 + nr * (2 * 64 * 4 + 16)
+        # Q^T, P^T (the reduction scratch lives in it), qscale / M / factors / M with -Inf
+        # as 0, c, mbarriers, the L slots' valid-token masks, the R entries' scales and masks
+        head = hn * dk * 2 + hn * 128 * 2 + 4 * hn * 4 + 64 + 128 + 64 + nr * (2 * 64 * 4 + 16)
         lut = 256 * 32 * 4 if self.tier_id == 2 else 0
         if self.tma:  # unpadded R rows; the R entries start 1024-byte aligned
             rr = -(-(64 * rrow) // 1024) * 1024

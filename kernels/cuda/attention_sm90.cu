@@ -125,6 +125,9 @@ static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
 #ifndef MSK                  // 1: masked rows' scores made -Inf behind a warp vote (kv8 16 x 32k
 #define MSK (TIER == 1)      // 64h 0.1364 / 0.1367 -> 0.1344 / 0.1343 ms, 16h 0.0846 -> 0.0838;
 #endif                       // tq4 16h 0.1233 -> 0.1246, so off there); 0: a select per score
+#ifndef MZ                   // 1: the numerators read M with -Inf as 0 from an array of its own,
+#define MZ 1                 // written beside M (2 selects a head pair less a step: kv8 16 x 32k
+#endif                       // 64h 0.1341 / 0.1353 -> 0.1332 / 0.1336 ms, 16h 0.0838 -> 0.0831)
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -175,7 +178,8 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #define SM_QS (SM_PT + HN * 128 * 2)             // qscale[HN]
 #define SM_M (SM_QS + HN * 4)                    // reference max M[HN]
 #define SM_AL (SM_M + HN * 4)                    // rescale factors[HN]
-#define SM_REDC (SM_AL + HN * 4)                 // [NCW] warp max of sL, [NCW] = c
+#define SM_MZ (SM_AL + HN * 4)                   // M with -Inf as 0: the numerators' reference
+#define SM_REDC (SM_MZ + HN * 4)                 // [NCW] warp max of sL, [NCW] = c
 #define SM_BAR (SM_REDC + 4 * 16)                // mbarriers: fullL, emptyL [NSLOT]; fullR, emptyR [NR]
 #define SM_LMK (SM_BAR + 8 * 16)                 // the valid-token mask of each L slot (u64)
 #define SM_QBAR (SM_LMK + 7 * 8)                 // CL > 1: mbarrier of the other CTAs' Q^T stores
@@ -691,6 +695,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     const int ctid = tid;  // 0..255
     float* sM = (float*)(smem + SM_M);
     float* sAL = (float*)(smem + SM_AL);
+    float* sMZ = (float*)(smem + SM_MZ);
     float* sRED = (float*)(smem + SM_RED);
     float* sREDC = (float*)(smem + SM_REDC);
     const float* sQS = (const float*)(smem + SM_QS);
@@ -841,7 +846,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             bar_sync(1, 256);  // (the staging rows are reused by the next batch)
         }
         if (PROF && ctid == 0) prof[2006] = clk64();
-        for (int h = ctid; h < HN; h += 256) sM[h] = NEG_INF;
+        for (int h = ctid; h < HN; h += 256) { sM[h] = NEG_INF; sMZ[h] = 0.0f; }
 #else
         // Q^T from attn_qprep's qh: a 32-dim group of one head (64 bytes of qh, two k-steps)
         // is four 16-byte loads, all of a thread's in flight at once, put as such (4-byte
@@ -869,6 +874,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         for (int h = ctid; h < HN; h += 256) {
             ((float*)(smem + SM_QS))[h] = qscale[(size_t)qn * Hpad + h0 + h];
             sM[h] = NEG_INF;
+            sMZ[h] = 0.0f;
         }
         if (PROF && ctid == 0) prof[2006] = clk64();
 #endif
@@ -1178,6 +1184,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
                 for (int w = 0; w < NCW; ++w) mn = fmaxf(mn, sRED[w * HN + ctid]);
                 sAL[ctid] = mn == NEG_INF ? 1.0f : fast_exp2(mo - mn);
                 sM[ctid] = mn;
+                sMZ[ctid] = mn == NEG_INF ? 0.0f : mn;
             }
             if (ctid == 255) {
                 float cn = c_ref;
@@ -1210,9 +1217,13 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             u32 pr[NJ][2];
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
+#if MZ
+                const float2 m = *(const float2*)(sMZ + 8 * j + 2 * q);
+#else
                 float2 m = *(const float2*)(sM + 8 * j + 2 * q);
                 m.x = m.x == NEG_INF ? 0.0f : m.x;
                 m.y = m.y == NEG_INF ? 0.0f : m.y;
+#endif
 #if NOSMX
                 const float p0 = sacc[4 * j] - m.x, p1 = sacc[4 * j + 1] - m.y;
                 const float p2 = sacc[4 * j + 2] - m.x, p3 = sacc[4 * j + 3] - m.y;
