@@ -50,7 +50,7 @@
 //
 // Code size: the step loop has to fit the SM's instruction cache, about 36 KB of SASS
 // (tests/gpu/diag_icache.py: ~2300 instructions; beyond, every pass refetches it). kv8 at
-// 64 heads is at 28.8 KB, tq4 at 32.5 KB (scripts/sm90_compile_check.py prints the loop's
+// 64 heads is at 27.8 KB, tq4 at 32.0 KB (scripts/sm90_compile_check.py prints the loop's
 // instructions); 750 never-executed instructions added to its rare rescale path made kv8
 // 64 heads 10 % slower (the same code placed after the loop: no change).
 
