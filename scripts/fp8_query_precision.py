@@ -3,9 +3,11 @@ tensor cores, which would read the e4m3 key codes straight from shared memory), 
 the CPU before any kernel is written.
 
     python3 scripts/fp8_query_precision.py [--heads 64] [--tokens 4096] [--contexts 6]
+                                           [--sharpness 1]
 
 Keys are kv8-coded rows (kernels/cpu/codecs), with per-token magnitudes as in
-tests/gpu/test_attention_gpu.py; queries are standard normal. For each form of the query the
+tests/gpu/test_attention_gpu.py; queries are standard normal times --sharpness (above 1: the
+scores spread wider and the attention is sharper). For each form of the query the
 script prints the relative L2 error of the attention context (per query, over all heads, as
 the GPU tests measure it) against float64 with exact queries, everything else exact:
 
@@ -70,6 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--contexts", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sharpness", type=float, default=1.0)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     errs: dict[str, list[float]] = {}
@@ -79,12 +82,13 @@ def main() -> None:
         L *= np.exp(rng.uniform(-1, 0.5, (args.tokens, 1))).astype(np.float32)
         Ld = codecs.decode_rows("kv8", *codecs.encode_rows("kv8", L), DL).astype(np.float64)
         Rd = codecs.decode_rows("kv8", *codecs.encode_rows("kv8", R), DR).astype(np.float64)
-        q = rng.standard_normal((args.heads, DL + DR))
+        q = rng.standard_normal((args.heads, DL + DR)) * args.sharpness
         want = context(q, Ld, Rd)
         for name, qf in query_forms(q).items():
             got = context(qf, Ld, Rd)
             errs.setdefault(name, []).append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
-    print(f"{args.contexts} contexts of {args.tokens} kv8 tokens, {args.heads} heads: relative "
+    print(f"{args.contexts} contexts of {args.tokens} kv8 tokens, {args.heads} heads, queries x "
+          f"{args.sharpness:g}: relative "
           f"L2 error of the context from the query's rounding alone (bound of the tests: 2e-3)")
     for name, e in errs.items():
         print(f"  {name:15} max {max(e):.2e}  mean {np.mean(e):.2e}")

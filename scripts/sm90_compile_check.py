@@ -11,7 +11,8 @@ unit ring of wip/unit-ring, which ran O^T 300-400 cycles slower, had 406-508). S
 of spills, tq4 2041 with none. Session 8 (kv8: P^T before the vote, SPEC): kv8 1793 with 16 bytes.
 Session 9 (64 heads in clusters of two, evict-first copies): kv8 1781 with 16 bytes, tq4 2032
 with none. Session 11 (one rescale bound, kv8's copies after the query loads, kv8's masks behind a
-vote): kv8 1799 with none, tq4 2034 with none.
+vote): kv8 1799 with none, tq4 2034 with none. Session 12 (M with -Inf as 0 in its own array):
+kv8 1737 with none, tq4 2003 with none.
 
 Needs the NVRTC that CuPy uses on the GPU machine (its ptxas allocates registers differently
 from other CUDA versions, so check with the same one) and cuobjdump:
