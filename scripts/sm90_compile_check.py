@@ -34,7 +34,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "attention_sm90.cu"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from kernels.cuda._source import _source  # noqa: E402  (the text _build.py compiles: headers inlined)
 
 
 def shapes() -> list[dict]:
@@ -105,7 +107,7 @@ def main() -> None:
             sys.exit(f"extra define {kv!r} must look like NAME=1")
         extra[name] = int(value)
     lib = ctypes.CDLL(args.nvrtc)
-    src = SOURCE.read_text()  # (no local #include: _build.py would inline one, this would not)
+    src = _source("attention_sm90.cu")
     with tempfile.TemporaryDirectory() as tmp:
         for d in shapes():
             d.update(extra)

@@ -10,40 +10,16 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 
 import cupy as cp
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+from kernels.cuda._source import _source
+
 
 # Bit-exact float32: no fused multiply-add, IEEE division and square root, denormals kept.
 EXACT_OPTIONS = ("--std=c++17", "--fmad=false", "--prec-div=true", "--prec-sqrt=true",
                  "--ftz=false")
 FAST_OPTIONS = ("--std=c++17",)
-
-
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
-
-
-@functools.lru_cache(maxsize=None)
-def _source(name: str) -> str:
-    """The text of kernels/cuda/`name` with its local #include "x.cuh" lines replaced by the
-    headers' text (once each), so the compile caches key on everything that is compiled."""
-    return _expand(name, set())
-
-
-def _expand(name: str, seen: set) -> str:
-    with open(os.path.join(_HERE, name), encoding="utf-8") as f:
-        lines = f.read().splitlines(keepends=True)
-    out = []
-    for line in lines:
-        m = _INCLUDE.match(line)
-        if m is None:
-            out.append(line)
-        elif m.group(1) not in seen:
-            seen.add(m.group(1))
-            out.append(_expand(m.group(1), seen))
-    return "".join(out)
 
 
 @functools.lru_cache(maxsize=None)
