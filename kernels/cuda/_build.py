@@ -8,6 +8,7 @@ and lives for the process; compilation happens on first use, never at import.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -80,18 +81,63 @@ def set_dynamic_smem(fn, nbytes: int) -> None:
     cp.cuda.driver.funcSetAttribute(fn.ptr, 8, int(nbytes))  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_ubyte * 64)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _arg(a):
+    """One kernel argument as the ctypes object whose address cuLaunchKernelEx takes."""
+    import numpy as np
+    if isinstance(a, cp.ndarray):
+        return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, np.generic):
+        return (ctypes.c_ubyte * a.nbytes).from_buffer_copy(a.tobytes())
+    raise TypeError(f"kernel argument of type {type(a).__name__}: pass a cupy array or a "
+                    f"numpy scalar (np.int32, np.float32, np.uint64)")
+
+
+def launch_dependent(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    """fn(grid, block, args, shared_mem=...) on the current stream as a programmatic dependent
+    launch (cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): it may
+    start once every CTA of the kernel before it has run griddepcontrol.launch_dependents, so
+    fn must run griddepcontrol.wait before it reads what that kernel writes (or writes what
+    it reads). Raises RuntimeError with the driver's code where the launch is refused."""
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = tuple(block) + (1,) * (3 - len(block))
+    attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = _LaunchConfig(grid, block, int(shared_mem), ctypes.c_void_p(cp.cuda.get_current_stream().ptr),
+                        ctypes.cast(ctypes.pointer(attr), ctypes.c_void_p), 1)
+    held = [_arg(a) for a in args]
+    params = (ctypes.c_void_p * max(len(held), 1))(*[ctypes.addressof(h) for h in held])
+    f = _driver().cuLaunchKernelEx
+    f.restype = ctypes.c_int
+    ptr = fn.ptr if hasattr(fn, "ptr") else fn.kernel.ptr  # (a Function, or a RawKernel's)
+    err = f(ctypes.byref(cfg), ctypes.c_void_p(ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx with programmatic stream serialization failed "
+                           f"({err}) for grid {grid}, block {block}")
+
+
 @functools.lru_cache(maxsize=None)
 def _max_active_clusters(ptr: int, cluster: int, threads: int, smem: int) -> int:
-    import ctypes
-
-    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                    ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                    ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]
-
-    fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    fn = _driver().cuOccupancyMaxActiveClusters
     fn.restype = ctypes.c_int
-    cfg = LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem, None, None, 0)
+    cfg = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem, None, None, 0)
     n = ctypes.c_int(0)
     err = fn(ctypes.byref(n), ctypes.c_void_p(ptr), ctypes.byref(cfg))
     if err:

@@ -78,6 +78,8 @@ typedef unsigned int u32;
 #define SM_MISC (SM_LUT + 256 * 4)
 #define SM_TOTAL (SM_MISC + 16)
 
+#include "grid_dep.cuh"
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -260,6 +262,7 @@ attn_qprep(const float* __restrict__ q_lat, const float* __restrict__ q_rope,
            float sm_scale_log2e) {
     __shared__ float buf[DK];
     __shared__ float red[4];
+    grid_dep_launch();  // attn_wg (tq4) may start its copies now; it waits before reading qh
     const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     unsigned short* out = qh + ((size_t)n * Hpad + h) * DK;
     if (h >= H) {
@@ -629,6 +632,7 @@ attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part
     __shared__ float buf[DL];
 #endif
     constexpr int NV = DL / 128;
+    grid_dep_wait();  // (launched as a programmatic dependent of the split kernel)
     const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31;
     const int ws = splits[n], we = splits[n + 1];
     auto part = [&](int s) { return o_part + ((size_t)s * Hpad + h) * DL + tid; };

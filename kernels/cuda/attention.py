@@ -28,6 +28,12 @@ and each makes 1 / CL of the heads' f16 queries, storing them into the others' s
 memory (the same bits). It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
+
+On sm_90, attn_combine is launched as a programmatic dependent of the split kernel (it is
+placed on the SMs while the split kernel still runs and waits for its end with
+griddepcontrol.wait), and tq4's attn_wg as one of attn_qprep (its copies of the cache start
+while qprep runs; its queries wait for qprep's end). KVFLEET_CUDA_PDL=0 turns both off; a
+launch the driver refuses is counted in `fallbacks` and plain launches follow.
 """
 from __future__ import annotations
 
@@ -42,7 +48,8 @@ import numpy as np
 
 from kernels.cpu import tq4 as tq4_ref
 from kernels.cpu.rotation import rotatable
-from kernels.cuda._build import arch_kernel, kernel, max_active_clusters, set_dynamic_smem
+from kernels.cuda._build import (arch_kernel, kernel, launch_dependent, max_active_clusters,
+                                 set_dynamic_smem)
 from kernels.tiers import Tier, get_tier
 
 _TIER_ID = {"f32": 0, "fp8": 1, "tq": 2}
@@ -58,6 +65,32 @@ def _count_fallback(what: str, why: str) -> None:
     if not fallbacks[what]:
         log.warning("%s: %s (counted in kernels.cuda.attention.fallbacks)", what, why)
     fallbacks[what] += 1
+
+
+def _pdl_enabled() -> bool:
+    """Programmatic dependent launch for attn_combine (and tq4's attn_wg after attn_qprep):
+    sm_90 and later, unless KVFLEET_CUDA_PDL=0 or the driver refused it once (counted)."""
+    return (not _pdl_refused and os.environ.get("KVFLEET_CUDA_PDL", "1") != "0"
+            and int(_device_info(cp.cuda.Device().id)[0]) >= 90)
+
+
+_pdl_refused = False
+
+
+def _launch_kernel(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
+                   dependent: bool = False) -> None:
+    """fn on the current stream; dependent: as a programmatic dependent of the kernel before
+    it where _pdl_enabled() (fn then waits for that kernel with griddepcontrol.wait; see
+    grid_dep.cuh), a plain launch otherwise or once the driver refused one (counted)."""
+    global _pdl_refused
+    if dependent and _pdl_enabled():
+        try:
+            launch_dependent(fn, grid, block, args, shared_mem)
+            return
+        except RuntimeError as e:
+            _pdl_refused = True
+            _count_fallback("programmatic dependent launch", f"{e}; plain launches from now on")
+    fn(grid, block, args, shared_mem=shared_mem)
 
 
 def has_kernel(tier: Tier | str, kv_lora: int, rope: int) -> bool:
@@ -352,7 +385,8 @@ def _flash_decode(ks, hpad: int, planes, tables, plan, q_lat, q_rope, scale: flo
     if W:
         split(qh, qscale, o_part, ml_part, _tq_lut(cp.cuda.Device().id), np.int32(tables.shape[1]),
               np.int32(planes.l_scale.shape[1]))
-    ks.combine((N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H), np.int32(hpad)))
+    _launch_kernel(ks.combine, (N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H),
+                                                 np.int32(hpad)), dependent=True)
 
 
 def _launch(tier: Tier, shape: Shape, groups: int, planes, tables, plan, q_lat, q_rope,
@@ -474,13 +508,15 @@ def _cluster_shape(shape: WgShape, groups: int, cluster: int, n_work: int,
 
 
 def launch_wg(wg: _WgKernel, groups: int, planes, tables, plan, query_args: tuple, lut, maps,
-              o_part: cp.ndarray, ml_part: cp.ndarray) -> None:
+              o_part: cp.ndarray, ml_part: cp.ndarray, after_qprep: bool = False) -> None:
     """attn_wg over plan.work: query_args from wg_query_args(), maps from tma_maps() (any
-    array without the TMA), o_part [>= W, Hpad, DL] and ml_part [W, Hpad, 2]."""
-    wg.fn((plan.n_work, groups), (WG_THREADS,), (
+    array without the TMA), o_part [>= W, Hpad, DL] and ml_part [W, Hpad, 2]. after_qprep:
+    the kernel just before on this stream is the attn_qprep that makes qh (launched plainly,
+    so everything before it has ended): attn_wg then starts its copies while it runs."""
+    _launch_kernel(wg.fn, (plan.n_work, groups), (WG_THREADS,), (
         *query_args, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
         np.int32(tables.shape[1]), np.int32(planes.l_scale.shape[1]), plan.work, lut, maps,
-        o_part, ml_part, np.int32(o_part.shape[1])), shared_mem=wg.smem)
+        o_part, ml_part, np.int32(o_part.shape[1])), wg.smem, dependent=after_qprep and wg.reads_qh)
 
 
 def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
@@ -503,7 +539,8 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
     def split(qh, qscale, o_part, ml_part, lut, nb, bs):
         maps = tma_maps(planes) if s.tma else lut  # (unused without the TMA)
         launch_wg(wg, groups, planes, tables, plan, wg_query_args(wg, q_lat, q_rope, scale, qh,
-                                                                  qscale), lut, maps, o_part, ml_part)
+                                                                  qscale), lut, maps, o_part, ml_part,
+                  after_qprep=qh is not None)
 
     _flash_decode(ks, groups * shape.hn, planes, tables, plan, q_lat, q_rope, scale, out, split,
                   prep=wg.reads_qh)

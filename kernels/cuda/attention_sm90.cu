@@ -210,6 +210,7 @@ static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 168 * NTHREADS,
 typedef unsigned int u32;
 typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
+#include "grid_dep.cuh"
 
 __device__ __forceinline__ unsigned long long clk64() {
     unsigned long long c;
@@ -508,6 +509,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     unsigned long long* prof = (unsigned long long*)(o_part + (size_t)gridDim.x * Hpad * DL) +
                                ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 4096;
     if (PROF && tid == 0) prof[2000] = clk64();
+    grid_dep_launch();  // attn_combine may be placed now (it waits for this grid's end)
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);  // provably warp-uniform
     const int w_id = blockIdx.x, h0 = blockIdx.y * HN;
     const int qn = work[4 * w_id], trow = work[4 * w_id + 1];
@@ -855,6 +857,10 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         // With CL > 1 this CTA takes heads rk HS .. of them (HS = HN / CL).
         constexpr int NG = DK / 32, HS = HN / CL, NIT = (HS * NG + 255) / 256;
         const uint4* src = (const uint4*)(qh + ((size_t)qn * Hpad + h0) * DK);
+        // Launched as a programmatic dependent of attn_qprep (attention.py), this grid may
+        // start while qprep runs: the producer's copies (the cache, written before qprep
+        // began) go ahead, the queries wait for qprep's end
+        grid_dep_wait();
         uint4 v[NIT][4];
 #pragma unroll
         for (int it = 0; it < NIT; ++it) {

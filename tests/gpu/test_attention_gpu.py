@@ -346,3 +346,60 @@ def test_kernel_path_choices():
     # (256 read past its latent rows, 1024 left dims 512.. unwritten)
     assert gpu.kernel_path("kv8", 16, 256, DR) == "mma"
     assert gpu.kernel_path("tq4", 16, 1024, DR) == "mma"
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+@pytest.mark.parametrize("H", [64, 16])
+def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch):
+    """attn_combine (and tq4's attn_wg after attn_qprep) launched as programmatic dependents
+    (KVFLEET_CUDA_PDL, on by default on sm_90) give the bits of plain launches: eight calls
+    with different queries back to back on one stream, then the same calls captured in a
+    CUDA graph and replayed, with no fallback counted. A missing griddepcontrol.wait shows
+    here as a combine that read partial contexts before they were written."""
+    if not _hopper():
+        pytest.skip("programmatic dependent launch needs an sm_90 GPU")
+    rng = np.random.default_rng(5 + H)
+    t, planes, tables = make_pool(tier, rng)
+    rows, positions = np.array([4, 3, 4, 1, 2, 0]), np.array([2599, 1099, 1500, 16, 299, 0])
+    dev, tab = to_device(planes), cp.asarray(tables)
+    plan = gpu.decode_plan(rows, positions, n_sm=132)
+    qs = [tuple(cp.asarray(a) for a in hostile_queries(rng, len(rows), H, (0, 1), (1, 2), (2, 3), (3, 4)))
+          for _ in range(8)]
+
+    def calls():
+        return [gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE) for ql, qr in qs]
+
+    monkeypatch.setenv("KVFLEET_CUDA_PDL", "0")
+    assert not gpu._pdl_enabled()
+    want = [o.get() for o in calls()]
+    monkeypatch.setenv("KVFLEET_CUDA_PDL", "1")
+    assert gpu._pdl_enabled()
+    before = gpu.fallbacks["programmatic dependent launch"]
+    got = calls()
+    for i, (o, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(o.get(), w, err_msg=f"{tier} H={H} call {i}")
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        calls()  # (buffers into the pool before the capture)
+        stream.synchronize()
+        stream.begin_capture()
+        outs = calls()
+        graph = stream.end_capture()
+        for rep in range(3):
+            for o in outs:
+                o.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            for i, (o, w) in enumerate(zip(outs, want)):
+                np.testing.assert_array_equal(o.get(), w, err_msg=f"{tier} H={H} graph {rep} call {i}")
+    assert gpu.fallbacks["programmatic dependent launch"] == before
+
+
+def test_launch_dependent_rejects_python_scalars():
+    """_build.launch_dependent packs cupy arrays and numpy scalars only: a bare Python int,
+    whose width the kernel cannot know, is refused by name before anything is launched."""
+    from kernels.cuda._build import launch_dependent
+    fn = gpu._kernels(gpu.Shape(1, 1, 64, DL, DR), cp.cuda.Device().id).combine
+    with pytest.raises(TypeError, match="type int"):
+        launch_dependent(fn, (1, 1), (128,), (cp.zeros(4, cp.float32), 3))
