@@ -128,6 +128,9 @@ static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
 #ifndef MZ                   // 1: the numerators read M with -Inf as 0 from an array of its own,
 #define MZ 1                 // written beside M (2 selects a head pair less a step: kv8 16 x 32k
 #endif                       // 64h 0.1341 / 0.1353 -> 0.1332 / 0.1336 ms, 16h 0.0838 -> 0.0831)
+#ifndef PDLT                 // 1: every CTA lets attn_combine (a programmatic dependent, see
+#define PDLT 1               // attention.py) be placed on free SMs at its start; 0: only once
+#endif                       // this grid has ended (UNMEASURED: session 13 had no GPU)
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);
@@ -509,7 +512,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
     unsigned long long* prof = (unsigned long long*)(o_part + (size_t)gridDim.x * Hpad * DL) +
                                ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 4096;
     if (PROF && tid == 0) prof[2000] = clk64();
-    grid_dep_launch();  // attn_combine may be placed now (it waits for this grid's end)
+    if (PDLT) grid_dep_launch();  // attn_combine may be placed now (it waits for this grid's end)
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);  // provably warp-uniform
     const int w_id = blockIdx.x, h0 = blockIdx.y * HN;
     const int qn = work[4 * w_id], trow = work[4 * w_id + 1];

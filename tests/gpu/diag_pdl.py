@@ -1,6 +1,7 @@
-"""Programmatic dependent launch, A/B in one process (KVFLEET_CUDA_PDL 0 / 1): three
-interleaved pairs of CUDA-graph timings per case (the bench's _graph_time, 10 calls a graph),
-and whether both give the same bits. On an H200:
+"""Programmatic dependent launch, A/B in one process: KVFLEET_CUDA_PDL=0, =1, and =1 with
+attn_wg's early trigger off (tuning PDLT=0: the combine placed only once attn_wg has ended),
+three interleaved rounds of CUDA-graph timings per case (the bench's _graph_time, 10 calls a
+graph), and whether all give the same bits. On an H200:
 
     PYTHONPATH=. python3 tests/gpu/diag_pdl.py      # also writes $OUT/pdl_ab.json if OUT is set
 """
@@ -14,6 +15,7 @@ from cluster.bench import attention as bench
 from kernels.cuda import attention as gpu
 from kernels.tiers import get_tier
 
+VARIANTS = [("0", ""), ("1", ""), ("1", "PDLT=0")]  # KVFLEET_CUDA_PDL, KVFLEET_CUDA_WG_TUNING
 CASES = [(16, 32768, (64, 16)), (64, 4096, (64,)), (1, 32768, (64,))]  # B, T, head counts
 
 
@@ -35,15 +37,18 @@ def main() -> None:
 
                 name, outs = f"{tier_name} {H}h {B}x{T}", {}
                 for rep in range(3):
-                    for pdl in ("0", "1"):
+                    for pdl, tuning in VARIANTS:
                         os.environ["KVFLEET_CUDA_PDL"] = pdl
+                        os.environ["KVFLEET_CUDA_WG_TUNING"] = tuning
                         t, method = bench._graph_time(call, 10)
-                        res.setdefault(f"{name} PDL={pdl}", []).append(round(t * 1e3, 4))
+                        key = f"PDL={pdl} {tuning}".strip()
+                        res.setdefault(f"{name} {key}", []).append(round(t * 1e3, 4))
                         if rep == 0:
-                            outs[pdl] = call().get()
-                same = np.array_equal(outs["0"], outs["1"], equal_nan=True)
-                print(f"{name}: PDL=0 {res[name + ' PDL=0']} ms, PDL=1 {res[name + ' PDL=1']} ms, "
-                      f"same bits {same}, timing {method}", flush=True)
+                            outs[key] = call().get()
+                first = next(iter(outs.values()))
+                same = all(np.array_equal(o, first, equal_nan=True) for o in outs.values())
+                print(f"{name}: " + ", ".join(f"{k} {res[name + ' ' + k]} ms" for k in outs)
+                      + f", same bits {same}, timing {method}", flush=True)
             del planes, tables
             cp.get_default_memory_pool().free_all_blocks()
     print("fallbacks", dict(gpu.fallbacks))
