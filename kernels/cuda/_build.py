@@ -100,14 +100,59 @@ def _driver():
 
 
 def _arg(a):
-    """One kernel argument as the ctypes object whose address cuLaunchKernelEx takes."""
+    """One kernel argument as the ctypes object whose address cuLaunchKernelEx takes, packed
+    as CuPy packs it for a plain launch: a cupy array as its device pointer, a numpy scalar
+    as its bytes, a Python int (bool included) as int64 and a float as float64."""
     import numpy as np
     if isinstance(a, cp.ndarray):
         return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, int):
+        a = np.int64(a)
+    elif isinstance(a, float):
+        a = np.float64(a)
     if isinstance(a, np.generic):
         return (ctypes.c_ubyte * a.nbytes).from_buffer_copy(a.tobytes())
-    raise TypeError(f"kernel argument of type {type(a).__name__}: pass a cupy array or a "
-                    f"numpy scalar (np.int32, np.float32, np.uint64)")
+    raise TypeError(f"kernel argument of type {type(a).__name__}: pass a cupy array, a numpy "
+                    f"scalar (np.int32, np.float32, np.uint64), an int or a float")
+
+
+def function_ptr(fn) -> int:
+    """The CUfunction of a cupy Function (.ptr) or RawKernel (.kernel.ptr)."""
+    return fn.ptr if hasattr(fn, "ptr") else fn.kernel.ptr
+
+
+def ptx_arch(fn) -> int:
+    """The virtual architecture fn's code was generated for (cuFuncGetAttribute,
+    CU_FUNC_ATTRIBUTE_PTX_VERSION, e.g. 90): what `__CUDA_ARCH__` was when it was compiled."""
+    v = ctypes.c_int(0)
+    err = _driver().cuFuncGetAttribute(ctypes.byref(v), 5, ctypes.c_void_p(function_ptr(fn)))
+    if err:
+        raise RuntimeError(f"cuFuncGetAttribute(PTX_VERSION) failed ({_error_name(err)})")
+    return v.value
+
+
+def driver_version() -> int:
+    """The CUDA driver's version (cuDriverGetVersion: 12030 for 12.3)."""
+    v = ctypes.c_int(0)
+    err = _driver().cuDriverGetVersion(ctypes.byref(v))
+    if err:
+        raise RuntimeError(f"cuDriverGetVersion failed ({_error_name(err)})")
+    return v.value
+
+
+def stream_capturing() -> bool:
+    """True while the current stream is being captured into a CUDA graph (cuStreamIsCapturing)."""
+    status = ctypes.c_int(0)
+    err = _driver().cuStreamIsCapturing(ctypes.c_void_p(cp.cuda.get_current_stream().ptr),
+                                        ctypes.byref(status))
+    return bool(err == 0 and status.value != 0)
+
+
+def _error_name(err: int) -> str:
+    name = ctypes.c_char_p()
+    if _driver().cuGetErrorName(int(err), ctypes.byref(name)) == 0 and name.value:
+        return name.value.decode()
+    return f"CUresult {err}"
 
 
 def launch_dependent(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
@@ -115,9 +160,12 @@ def launch_dependent(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int
     launch (cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): it may
     start once every CTA of the kernel before it has run griddepcontrol.launch_dependents, so
     fn must run griddepcontrol.wait before it reads what that kernel writes (or writes what
-    it reads). Raises RuntimeError with the driver's code where the launch is refused."""
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    block = tuple(block) + (1,) * (3 - len(block))
+    it reads), through coherent loads (not __ldg). Raises ValueError for an empty grid or
+    block, RuntimeError with the driver's error name where the launch is refused."""
+    grid = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
+    block = tuple(int(x) for x in block) + (1,) * (3 - len(block))
+    if min(grid) < 1 or min(block) < 1:
+        raise ValueError(f"launch_dependent: grid {grid} and block {block} must be >= 1 in every dim")
     attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
     cfg = _LaunchConfig(grid, block, int(shared_mem), ctypes.c_void_p(cp.cuda.get_current_stream().ptr),
@@ -126,11 +174,10 @@ def launch_dependent(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int
     params = (ctypes.c_void_p * max(len(held), 1))(*[ctypes.addressof(h) for h in held])
     f = _driver().cuLaunchKernelEx
     f.restype = ctypes.c_int
-    ptr = fn.ptr if hasattr(fn, "ptr") else fn.kernel.ptr  # (a Function, or a RawKernel's)
-    err = f(ctypes.byref(cfg), ctypes.c_void_p(ptr), params, None)
+    err = f(ctypes.byref(cfg), ctypes.c_void_p(function_ptr(fn)), params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx with programmatic stream serialization failed "
-                           f"({err}) for grid {grid}, block {block}")
+                           f"({_error_name(err)}) for grid {grid}, block {block}")
 
 
 @functools.lru_cache(maxsize=None)

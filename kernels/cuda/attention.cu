@@ -626,13 +626,16 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 extern "C" __global__ void __launch_bounds__(128)
-attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
+attn_combine(const float* o_part, const float* ml_part,
              const int* __restrict__ splits, float* __restrict__ out, int H, int Hpad) {
 #if TIER == 2
     __shared__ float buf[DL];
 #endif
     constexpr int NV = DL / 128;
-    grid_dep_wait();  // (launched as a programmatic dependent of the split kernel)
+    // Launched as a programmatic dependent of the split kernel: o_part and ml_part are read
+    // only after this wait, through plain loads (no __ldg / __restrict__: the non-coherent
+    // path is outside the memory model that makes the split kernel's writes visible here)
+    grid_dep_wait();
     const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31;
     const int ws = splits[n], we = splits[n + 1];
     auto part = [&](int s) { return o_part + ((size_t)s * Hpad + h) * DL + tid; };
@@ -640,14 +643,14 @@ attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part
 #pragma unroll
     for (int j = 0; j < CF; ++j)
 #pragma unroll
-        for (int k = 0; k < NV; ++k) v[j][k] = ws + j < we ? __ldg(part(ws + j) + 128 * k) : 0.0f;
+        for (int k = 0; k < NV; ++k) v[j][k] = ws + j < we ? part(ws + j)[128 * k] : 0.0f;
     float M = NEG_INF;
-    for (int s = ws + lane; s < we; s += 32) M = fmaxf(M, __ldg(ml_part + ((size_t)s * Hpad + h) * 2));
+    for (int s = ws + lane; s < we; s += 32) M = fmaxf(M, ml_part[((size_t)s * Hpad + h) * 2]);
     M = warp_max(M);
     float L = 0.0f;
     if (M != NEG_INF)
         for (int s = ws + lane; s < we; s += 32) {
-            const float2 ml = __ldg((const float2*)(ml_part + ((size_t)s * Hpad + h) * 2));
+            const float2 ml = *(const float2*)(ml_part + ((size_t)s * Hpad + h) * 2);
             L += ml.y * exp2f(ml.x - M);
         }
     L = warp_sum(L);
@@ -659,7 +662,7 @@ attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part
         // lane j < CF: the weight of split s0 + j (its pair is in L1 from the sums above)
         float wl = 0.0f;
         if (lane < CF && s0 + lane < we && M != NEG_INF)
-            wl = exp2f(__ldg(ml_part + ((size_t)(s0 + lane) * Hpad + h) * 2) - M) * invL;
+            wl = exp2f(ml_part[((size_t)(s0 + lane) * Hpad + h) * 2] - M) * invL;
 #pragma unroll
         for (int j = 0; j < CF; ++j) {
             const float w = __shfl_sync(0xffffffffu, wl, j);
@@ -671,7 +674,7 @@ attn_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part
 #pragma unroll
             for (int j = 0; j < CF; ++j)
 #pragma unroll
-                for (int k = 0; k < NV; ++k) v[j][k] = s1 + j < we ? __ldg(part(s1 + j) + 128 * k) : 0.0f;
+                for (int k = 0; k < NV; ++k) v[j][k] = s1 + j < we ? part(s1 + j)[128 * k] : 0.0f;
     }
     float* dst = out + ((size_t)n * H + h) * DL;
 #if TIER == 2

@@ -48,8 +48,9 @@ import numpy as np
 
 from kernels.cpu import tq4 as tq4_ref
 from kernels.cpu.rotation import rotatable
-from kernels.cuda._build import (arch_kernel, kernel, launch_dependent, max_active_clusters,
-                                 set_dynamic_smem)
+from kernels.cuda._build import (arch_kernel, driver_version, function_ptr, kernel,
+                                 launch_dependent, max_active_clusters, ptx_arch,
+                                 set_dynamic_smem, stream_capturing)
 from kernels.tiers import Tier, get_tier
 
 _TIER_ID = {"f32": 0, "fp8": 1, "tq": 2}
@@ -67,29 +68,53 @@ def _count_fallback(what: str, why: str) -> None:
     fallbacks[what] += 1
 
 
-def _pdl_enabled() -> bool:
+PDL_ENV = "KVFLEET_CUDA_PDL"
+PDL_DRIVER = 12030  # programmatic edges in CUDA graphs (stream capture) need driver 12.3
+
+
+def _pdl_enabled(fn=None) -> bool:
     """Programmatic dependent launch for attn_combine (and tq4's attn_wg after attn_qprep):
-    sm_90 and later, unless KVFLEET_CUDA_PDL=0 or the driver refused it once (counted)."""
-    return (not _pdl_refused and os.environ.get("KVFLEET_CUDA_PDL", "1") != "0"
-            and int(_device_info(cp.cuda.Device().id)[0]) >= 90)
+    on an sm_90 device with a driver >= 12.3, for a function compiled for sm_90 or later (so
+    that its griddepcontrol.wait was compiled in: grid_dep.cuh), unless KVFLEET_CUDA_PDL=0
+    or the driver refused a launch once (counted)."""
+    if _pdl_refused or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    if int(_device_info(cp.cuda.Device().id)[0]) < 90 or _driver_version() < PDL_DRIVER:
+        return False
+    if fn is None:
+        return True
+    ptr = function_ptr(fn)
+    if ptr not in _ptx_archs:
+        _ptx_archs[ptr] = ptx_arch(fn)
+    return _ptx_archs[ptr] >= 90
 
 
 _pdl_refused = False
+_ptx_archs: dict[int, int] = {}  # CUfunction -> its PTX architecture (read once each)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_version() -> int:
+    return driver_version()
 
 
 def _launch_kernel(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
                    dependent: bool = False) -> None:
     """fn on the current stream; dependent: as a programmatic dependent of the kernel before
-    it where _pdl_enabled() (fn then waits for that kernel with griddepcontrol.wait; see
-    grid_dep.cuh), a plain launch otherwise or once the driver refused one (counted)."""
+    it where _pdl_enabled(fn) (fn then waits for that kernel with griddepcontrol.wait; see
+    grid_dep.cuh), a plain launch otherwise. Where the driver refuses the dependent launch,
+    the refusal is counted, this and every later launch is plain, except while the stream is
+    being captured into a CUDA graph (the capture may be invalid by then: the error is raised)."""
     global _pdl_refused
-    if dependent and _pdl_enabled():
+    if dependent and _pdl_enabled(fn):
         try:
             launch_dependent(fn, grid, block, args, shared_mem)
             return
-        except RuntimeError as e:
+        except (RuntimeError, AttributeError, OSError) as e:
             _pdl_refused = True
             _count_fallback("programmatic dependent launch", f"{e}; plain launches from now on")
+            if stream_capturing():
+                raise
     fn(grid, block, args, shared_mem=shared_mem)
 
 
@@ -373,7 +398,8 @@ def _flash_decode(ks, hpad: int, planes, tables, plan, q_lat, q_rope, scale: flo
     its own f16 queries, given qh = qscale = None)."""
     N, H, dl = q_lat.shape
     dr = q_rope.shape[2]
-    qh = qscale = None
+    lut = _tq_lut(cp.cuda.Device().id)  # (uploaded on first use: before qprep, so that the
+    qh = qscale = None                   # split kernel follows qprep directly)
     if prep:
         qh = cp.empty((N, hpad, dl + dr), cp.uint16)
         qscale = cp.empty((N, hpad), cp.float32)
@@ -383,7 +409,7 @@ def _flash_decode(ks, hpad: int, planes, tables, plan, q_lat, q_rope, scale: flo
     o_part = cp.empty((max(W, 1), hpad, dl), cp.float32)
     ml_part = cp.empty((max(W, 1), hpad, 2), cp.float32)
     if W:
-        split(qh, qscale, o_part, ml_part, _tq_lut(cp.cuda.Device().id), np.int32(tables.shape[1]),
+        split(qh, qscale, o_part, ml_part, lut, np.int32(tables.shape[1]),
               np.int32(planes.l_scale.shape[1]))
     _launch_kernel(ks.combine, (N, H), (128,), (o_part, ml_part, plan.splits, out, np.int32(H),
                                                  np.int32(hpad)), dependent=True)
@@ -511,8 +537,10 @@ def launch_wg(wg: _WgKernel, groups: int, planes, tables, plan, query_args: tupl
               o_part: cp.ndarray, ml_part: cp.ndarray, after_qprep: bool = False) -> None:
     """attn_wg over plan.work: query_args from wg_query_args(), maps from tma_maps() (any
     array without the TMA), o_part [>= W, Hpad, DL] and ml_part [W, Hpad, 2]. after_qprep:
-    the kernel just before on this stream is the attn_qprep that makes qh (launched plainly,
-    so everything before it has ended): attn_wg then starts its copies while it runs."""
+    the last work on this stream is the attn_qprep that makes qh, launched plainly (so all
+    work before it has ended; _flash_decode uploads the LUT and _launch_wg the tensor maps
+    before it): attn_wg is then launched as its programmatic dependent and starts copying
+    the cache while qprep runs (where _pdl_enabled)."""
     _launch_kernel(wg.fn, (plan.n_work, groups), (WG_THREADS,), (
         *query_args, planes.l_codes, planes.l_scale, planes.r_codes, planes.r_scale, tables,
         np.int32(tables.shape[1]), np.int32(planes.l_scale.shape[1]), plan.work, lut, maps,
@@ -536,10 +564,12 @@ def _launch_wg(shape: WgShape, groups: int, planes, tables, plan, q_lat, q_rope,
         s = replace(s, tuning=s.tuning + (("QF", 0),))
         wg = _wg_kernel(s, dev)
 
+    maps = tma_maps(planes) if s.tma else None  # (uploaded on first use: before qprep)
+
     def split(qh, qscale, o_part, ml_part, lut, nb, bs):
-        maps = tma_maps(planes) if s.tma else lut  # (unused without the TMA)
         launch_wg(wg, groups, planes, tables, plan, wg_query_args(wg, q_lat, q_rope, scale, qh,
-                                                                  qscale), lut, maps, o_part, ml_part,
+                                                                  qscale), lut,
+                  lut if maps is None else maps, o_part, ml_part,  # (unused without the TMA)
                   after_qprep=qh is not None)
 
     _flash_decode(ks, groups * shape.hn, planes, tables, plan, q_lat, q_rope, scale, out, split,

@@ -493,7 +493,7 @@ extern "C" __global__ void attn_wg_smem(int* out) { out[0] = SM_TOTAL; }
 #define CLUSTER_DIMS
 #endif
 extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NTHREADS, 1)
-attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
+attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see grid_dep_wait)
         const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H,
         float sm_scale_log2e,
         const unsigned char* __restrict__ l_codes, const float* __restrict__ l_scale,
@@ -862,7 +862,9 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
         const uint4* src = (const uint4*)(qh + ((size_t)qn * Hpad + h0) * DK);
         // Launched as a programmatic dependent of attn_qprep (attention.py), this grid may
         // start while qprep runs: the producer's copies (the cache, written before qprep
-        // began) go ahead, the queries wait for qprep's end
+        // began) go ahead, the queries wait for qprep's end. qh and qscale are read after
+        // this wait through plain loads (no __ldg / __restrict__: the non-coherent path is
+        // outside the memory model that makes qprep's writes visible here).
         grid_dep_wait();
         uint4 v[NIT][4];
 #pragma unroll
@@ -870,7 +872,7 @@ attn_wg(const unsigned short* __restrict__ qh, const float* __restrict__ qscale,
             const int idx = ctid + 256 * it, grp = idx / HS, h = (int)rk * HS + idx % HS;
             if (idx < HS * NG)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) v[it][c] = __ldg(src + (size_t)h * (DK / 8) + 4 * grp + c);
+                for (int c = 0; c < 4; ++c) v[it][c] = src[(size_t)h * (DK / 8) + 4 * grp + c];
         }
         if (PROF && ctid == 0) prof[2005] = clk64();
         if (QFIRST) bar_arrive(7, 256 + 32 * (TMA ? 2 : PW));  // the producer may copy now

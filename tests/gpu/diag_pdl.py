@@ -20,6 +20,18 @@ CASES = [(16, 32768, (64, 16)), (64, 4096, (64,)), (1, 32768, (64,))]  # B, T, h
 
 
 def main() -> None:
+    saved = {k: os.environ.get(k) for k in ("KVFLEET_CUDA_PDL", "KVFLEET_CUDA_WG_TUNING")}
+    try:
+        run()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run() -> None:
     rng = np.random.default_rng(0)
     res = {}
     for B, T, heads in CASES:
@@ -40,8 +52,12 @@ def main() -> None:
                     for pdl, tuning in VARIANTS:
                         os.environ["KVFLEET_CUDA_PDL"] = pdl
                         os.environ["KVFLEET_CUDA_WG_TUNING"] = tuning
+                        gpu._pdl_refused = False  # (each variant starts with PDL allowed)
+                        refused = gpu.fallbacks["programmatic dependent launch"]
                         t, method = bench._graph_time(call, 10)
                         key = f"PDL={pdl} {tuning}".strip()
+                        if gpu.fallbacks["programmatic dependent launch"] != refused:
+                            key += " (REFUSED: plain launches)"
                         res.setdefault(f"{name} {key}", []).append(round(t * 1e3, 4))
                         if rep == 0:
                             outs[key] = call().get()

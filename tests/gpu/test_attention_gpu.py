@@ -348,6 +348,54 @@ def test_kernel_path_choices():
     assert gpu.kernel_path("tq4", 16, 1024, DR) == "mma"
 
 
+_PROBE = r"""
+extern "C" __global__ void primary(int* done, long long spin) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const long long t0 = clock64();
+    while (clock64() - t0 < spin) {}
+    __threadfence();
+    atomicExch(done, 1);
+}
+extern "C" __global__ void dependent(int* done, int* seen) {
+    seen[0] = atomicAdd(done, 0);  // 0: started while primary still ran
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    seen[1] = atomicAdd(done, 0);  // 1: the wait waited for primary's end
+}
+"""
+
+
+def test_launch_dependent_overlaps_and_waits():
+    """_build.launch_dependent really is a programmatic dependent launch, eagerly and captured
+    in a CUDA graph: a one-block kernel that triggers and then spins for ~1 ms, and a dependent
+    that reads the first one's done flag before and after griddepcontrol.wait, sees [0, 1]
+    (a plain launch would see [1, 1]); the plain launch of the same pair does see [1, 1]."""
+    if not _hopper():
+        pytest.skip("programmatic dependent launch needs an sm_90 GPU")
+    from kernels.cuda._build import launch_dependent
+    assert gpu._pdl_enabled(), "PDL should be on by default on an sm_90 device (driver >= 12.3)"
+    mod = cp.RawModule(code=_PROBE, options=("--std=c++17",))
+    primary, dependent = mod.get_function("primary"), mod.get_function("dependent")
+    spin = np.int64(2_000_000)  # cycles (~1 ms)
+    done, seen = cp.zeros(1, cp.int32), cp.full(2, -1, cp.int32)
+    primary((1,), (32,), (done, spin))
+    dependent((1,), (32,), (done, seen))
+    assert seen.get().tolist() == [1, 1]  # plain launches serialise
+    for mode in ("eager", "graph"):
+        done.fill(0)
+        seen.fill(-1)
+        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device().synchronize()
+        with stream:
+            if mode == "graph":
+                stream.begin_capture()
+            primary((1,), (32,), (done, spin))
+            launch_dependent(dependent, (1,), (32,), (done, seen))
+            if mode == "graph":
+                stream.end_capture().launch(stream)
+            stream.synchronize()
+        assert seen.get().tolist() == [0, 1], mode
+
+
 @pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
 @pytest.mark.parametrize("H", [64, 16])
 def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch):
@@ -369,13 +417,20 @@ def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch)
     def calls():
         return [gpu.paged_mla_decode(t, dev, tab, plan, ql, qr, SCALE) for ql, qr in qs]
 
+    monkeypatch.setattr(gpu, "_pdl_refused", False)  # (a refusal elsewhere turns PDL off)
+    launched = []
+    real = gpu.launch_dependent
+    monkeypatch.setattr(gpu, "launch_dependent", lambda fn, *a: (launched.append(fn), real(fn, *a)))
     monkeypatch.setenv("KVFLEET_CUDA_PDL", "0")
     assert not gpu._pdl_enabled()
     want = [o.get() for o in calls()]
+    assert not launched
     monkeypatch.setenv("KVFLEET_CUDA_PDL", "1")
     assert gpu._pdl_enabled()
     before = gpu.fallbacks["programmatic dependent launch"]
     got = calls()
+    # every call's combine, and tq4's attn_wg (after attn_qprep)
+    assert len(launched) == len(qs) * (2 if tier == "tq4" else 1), len(launched)
     for i, (o, w) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(o.get(), w, err_msg=f"{tier} H={H} call {i}")
     cp.cuda.Device().synchronize()
@@ -396,10 +451,19 @@ def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch)
     assert gpu.fallbacks["programmatic dependent launch"] == before
 
 
-def test_launch_dependent_rejects_python_scalars():
-    """_build.launch_dependent packs cupy arrays and numpy scalars only: a bare Python int,
-    whose width the kernel cannot know, is refused by name before anything is launched."""
-    from kernels.cuda._build import launch_dependent
+def test_launch_dependent_packs_arguments_as_cupy_does():
+    """_build.launch_dependent packs its arguments as a plain CuPy launch would: a cupy array
+    as its device pointer, a numpy scalar as its bytes, a Python int as int64, a float as
+    float64; anything else, and an empty grid, is refused by name before anything runs."""
+    from kernels.cuda._build import _arg, launch_dependent
+    a = cp.zeros(4, cp.float32)
+    assert _arg(a).value == a.data.ptr
+    assert bytes(_arg(np.int32(-3))) == np.int32(-3).tobytes()
+    assert bytes(_arg(np.float32(1.5))) == np.float32(1.5).tobytes()
+    assert bytes(_arg(7)) == np.int64(7).tobytes() and bytes(_arg(True)) == np.int64(1).tobytes()
+    assert bytes(_arg(0.25)) == np.float64(0.25).tobytes()
     fn = gpu._kernels(gpu.Shape(1, 1, 64, DL, DR), cp.cuda.Device().id).combine
-    with pytest.raises(TypeError, match="type int"):
-        launch_dependent(fn, (1, 1), (128,), (cp.zeros(4, cp.float32), 3))
+    with pytest.raises(TypeError, match="type str"):
+        launch_dependent(fn, (1, 1), (128,), (a, "3"))
+    with pytest.raises(ValueError, match="grid"):
+        launch_dependent(fn, (0, 1), (128,), (a,))
