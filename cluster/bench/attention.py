@@ -95,9 +95,13 @@ def _graph_time(fn, repeat: int) -> tuple[float, str]:
                 fn()
             graph = stream.end_capture()
             run, method = (lambda: graph.launch(stream)), "graph"
-        except cp.cuda.runtime.CUDARuntimeError as e:
+        except RuntimeError as e:  # (CUDARuntimeError, or a launch refused during the capture)
             print(f"bench attention: graph capture refused ({e}); timing stream calls",
                   file=sys.stderr)
+            try:
+                stream.end_capture()  # (a launch refused mid-capture leaves it open)
+            except Exception:  # noqa: BLE001  (not capturing any more: nothing to end)
+                pass
             stream.synchronize()
 
             def run():

@@ -29,11 +29,12 @@ memory (the same bits). It
 assumes kv8 live rows hold no e4m3 NaN codes (0x7F / 0xFF, which decode to 0): the GPU
 encoder never writes them and kvstore.device_pool maps uploaded ones to 0x00.
 
-On sm_90, attn_combine is launched as a programmatic dependent of the split kernel (it is
-placed on the SMs while the split kernel still runs and waits for its end with
-griddepcontrol.wait), and tq4's attn_wg as one of attn_qprep (its copies of the cache start
-while qprep runs; its queries wait for qprep's end). KVFLEET_CUDA_PDL=0 turns both off; a
-launch the driver refuses is counted in `fallbacks` and plain launches follow.
+On sm_90, attn_combine is launched as a programmatic dependent of the split kernel (attn_wg
+or attn_split, which let it be placed on free SMs from their start; it waits for their end
+with griddepcontrol.wait), and tq4's attn_wg as one of attn_qprep (its copies of the cache
+start while qprep runs; its queries wait for qprep's end). KVFLEET_CUDA_PDL=0 turns both off;
+a launch the driver refuses, or a driver / kernel too old for it on an sm_90 device, is
+counted in `fallbacks` (the first of each logged) and plain launches follow.
 """
 from __future__ import annotations
 
@@ -79,14 +80,23 @@ def _pdl_enabled(fn=None) -> bool:
     or the driver refused a launch once (counted)."""
     if _pdl_refused or os.environ.get(PDL_ENV, "1") == "0":
         return False
-    if int(_device_info(cp.cuda.Device().id)[0]) < 90 or _driver_version() < PDL_DRIVER:
+    if int(_device_info(cp.cuda.Device().id)[0]) < 90:
+        return False  # (no PDL before Hopper: nothing to count)
+    if _driver_version() < PDL_DRIVER:
+        _count_fallback("programmatic dependent launch (driver)",
+                        f"driver {_driver_version()} < {PDL_DRIVER}: plain launches")
         return False
     if fn is None:
         return True
     ptr = function_ptr(fn)
     if ptr not in _ptx_archs:
         _ptx_archs[ptr] = ptx_arch(fn)
-    return _ptx_archs[ptr] >= 90
+    if _ptx_archs[ptr] < 90:
+        _count_fallback("programmatic dependent launch (ptx)",
+                        f"a kernel compiled for compute_{_ptx_archs[ptr]} (no griddepcontrol): "
+                        f"plain launches for it")
+        return False
+    return True
 
 
 _pdl_refused = False

@@ -349,51 +349,73 @@ def test_kernel_path_choices():
 
 
 _PROBE = r"""
-extern "C" __global__ void primary(int* done, long long spin) {
+// primary: lets its dependents start, then waits (at most `spin` cycles) for the dependent's
+// `started` flag before it writes `done`. dependent: reads `done`, raises `started`, waits
+// for the primary's end (griddepcontrol.wait), reads `done` again.
+extern "C" __global__ void primary(int* done, int* started, int* saw, long long spin) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const long long t0 = clock64();
-    while (clock64() - t0 < spin) {}
+    while (atomicAdd(started, 0) == 0 && clock64() - t0 < spin) {}
+    saw[0] = atomicAdd(started, 0);
     __threadfence();
     atomicExch(done, 1);
 }
-extern "C" __global__ void dependent(int* done, int* seen) {
+extern "C" __global__ void dependent(int* done, int* started, int* seen) {
     seen[0] = atomicAdd(done, 0);  // 0: started while primary still ran
+    __threadfence();
+    atomicExch(started, 1);
     asm volatile("griddepcontrol.wait;" ::: "memory");
     seen[1] = atomicAdd(done, 0);  // 1: the wait waited for primary's end
 }
 """
 
 
-def test_launch_dependent_overlaps_and_waits():
-    """_build.launch_dependent really is a programmatic dependent launch, eagerly and captured
-    in a CUDA graph: a one-block kernel that triggers and then spins for ~1 ms, and a dependent
-    that reads the first one's done flag before and after griddepcontrol.wait, sees [0, 1]
-    (a plain launch would see [1, 1]); the plain launch of the same pair does see [1, 1]."""
+def _probe_kernels():
+    mod = cp.RawModule(code=_PROBE, options=("--std=c++17",))
+    return mod.get_function("primary"), mod.get_function("dependent")
+
+
+def _pdl_testable() -> None:
+    import os
     if not _hopper():
         pytest.skip("programmatic dependent launch needs an sm_90 GPU")
+    if gpu._driver_version() < gpu.PDL_DRIVER:
+        pytest.skip(f"driver {gpu._driver_version()} < {gpu.PDL_DRIVER}: no PDL in graphs")
+    if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+        pytest.skip("CUDA_LAUNCH_BLOCKING serialises every launch")
+
+
+def test_launch_dependent_overlaps_and_waits():
+    """_build.launch_dependent really is a programmatic dependent launch, eagerly (on the
+    legacy and on a non-blocking stream) and captured in a CUDA graph: the dependent of a
+    one-thread kernel that triggers at its start runs while that kernel still waits for it
+    (a handshake through two flags, bounded by ~10 ms of spinning) and its griddepcontrol.wait
+    still waits for that kernel's end: seen [0, 1], the primary saw the dependent start. Plain
+    launches of the same pair see [1, 1] after the primary's bounded spin."""
+    _pdl_testable()
     from kernels.cuda._build import launch_dependent
-    assert gpu._pdl_enabled(), "PDL should be on by default on an sm_90 device (driver >= 12.3)"
-    mod = cp.RawModule(code=_PROBE, options=("--std=c++17",))
-    primary, dependent = mod.get_function("primary"), mod.get_function("dependent")
-    spin = np.int64(2_000_000)  # cycles (~1 ms)
-    done, seen = cp.zeros(1, cp.int32), cp.full(2, -1, cp.int32)
-    primary((1,), (32,), (done, spin))
-    dependent((1,), (32,), (done, seen))
-    assert seen.get().tolist() == [1, 1]  # plain launches serialise
-    for mode in ("eager", "graph"):
-        done.fill(0)
+    primary, dependent = _probe_kernels()
+    spin = np.int64(20_000_000)  # cycles (~10 ms): only plain launches spin this long
+    done, started, saw = cp.zeros(1, cp.int32), cp.zeros(1, cp.int32), cp.zeros(1, cp.int32)
+    seen = cp.full(2, -1, cp.int32)
+    primary((1,), (1,), (done, started, saw, spin))
+    dependent((1,), (1,), (done, started, seen))
+    assert seen.get().tolist() == [1, 1] and int(saw.get()[0]) == 0  # plain: serialised
+    for mode in ("legacy stream", "non-blocking stream", "graph"):
+        for a in (done, started, saw):
+            a.fill(0)
         seen.fill(-1)
-        stream = cp.cuda.Stream(non_blocking=True)
         cp.cuda.Device().synchronize()
+        stream = cp.cuda.Stream.null if mode == "legacy stream" else cp.cuda.Stream(non_blocking=True)
         with stream:
             if mode == "graph":
                 stream.begin_capture()
-            primary((1,), (32,), (done, spin))
-            launch_dependent(dependent, (1,), (32,), (done, seen))
+            primary((1,), (1,), (done, started, saw, spin))
+            launch_dependent(dependent, (1,), (1,), (done, started, seen))
             if mode == "graph":
                 stream.end_capture().launch(stream)
             stream.synchronize()
-        assert seen.get().tolist() == [0, 1], mode
+        assert seen.get().tolist() == [0, 1] and int(saw.get()[0]) == 1, mode
 
 
 @pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
@@ -404,8 +426,7 @@ def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch)
     with different queries back to back on one stream, then the same calls captured in a
     CUDA graph and replayed, with no fallback counted. A missing griddepcontrol.wait shows
     here as a combine that read partial contexts before they were written."""
-    if not _hopper():
-        pytest.skip("programmatic dependent launch needs an sm_90 GPU")
+    _pdl_testable()
     rng = np.random.default_rng(5 + H)
     t, planes, tables = make_pool(tier, rng)
     rows, positions = np.array([4, 3, 4, 1, 2, 0]), np.array([2599, 1099, 1500, 16, 299, 0])
@@ -462,7 +483,7 @@ def test_launch_dependent_packs_arguments_as_cupy_does():
     assert bytes(_arg(np.float32(1.5))) == np.float32(1.5).tobytes()
     assert bytes(_arg(7)) == np.int64(7).tobytes() and bytes(_arg(True)) == np.int64(1).tobytes()
     assert bytes(_arg(0.25)) == np.float64(0.25).tobytes()
-    fn = gpu._kernels(gpu.Shape(1, 1, 64, DL, DR), cp.cuda.Device().id).combine
+    fn = _probe_kernels()[1]
     with pytest.raises(TypeError, match="type str"):
         launch_dependent(fn, (1, 1), (128,), (a, "3"))
     with pytest.raises(ValueError, match="grid"):
