@@ -310,7 +310,6 @@ attn_split(const unsigned short* __restrict__ qh, const float* __restrict__ qsca
            const u32* __restrict__ lut, float* __restrict__ o_part,
            float* __restrict__ ml_part, int Hpad) {
     extern __shared__ __align__(16) unsigned char smem[];
-    grid_dep_launch();  // attn_combine may be placed now (it waits for this grid's end)
     unsigned short* Qs = (unsigned short*)(smem + SM_Q);
     unsigned short* Ks = (unsigned short*)(smem + SM_K);
     unsigned short* Ps = (unsigned short*)(smem + SM_P);

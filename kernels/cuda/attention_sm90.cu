@@ -129,8 +129,9 @@ static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
 #define MZ 1                 // written beside M (2 selects a head pair less a step: kv8 16 x 32k
 #endif                       // 64h 0.1341 / 0.1353 -> 0.1332 / 0.1336 ms, 16h 0.0838 -> 0.0831)
 #ifndef PDLT                 // 1: every CTA lets attn_combine (a programmatic dependent, see
-#define PDLT 1               // attention.py) be placed on free SMs at its start; 0: only once
-#endif                       // this grid has ended (UNMEASURED: session 13 had no GPU)
+#define PDLT 0               // attention.py) be placed on free SMs at its start; 0: only once
+#endif                       // this grid has ended (H200, kv8 64h 1 x 32k: 0.0459 ms with 1,
+                             // 0.0276 with 0, 0.0278 plain; 16 x 32k even)
 #ifndef PROF
 #define PROF 0               // diagnostic: 1 = clock64 stamps of every step's phases, written past
 #endif                       // the end of o_part (which must be twice as long: diag_wgmma.py --prof);

@@ -1,5 +1,5 @@
 """Programmatic dependent launch, A/B in one process: KVFLEET_CUDA_PDL=0, =1, and =1 with
-attn_wg's early trigger off (tuning PDLT=0: the combine placed only once attn_wg has ended),
+attn_wg's early trigger on (tuning PDLT=1: the combine placed on free SMs from attn_wg's start),
 three interleaved rounds of CUDA-graph timings per case (the bench's _graph_time, 10 calls a
 graph), and whether all give the same bits. On an H200:
 
@@ -15,7 +15,7 @@ from cluster.bench import attention as bench
 from kernels.cuda import attention as gpu
 from kernels.tiers import get_tier
 
-VARIANTS = [("0", ""), ("1", ""), ("1", "PDLT=0")]  # KVFLEET_CUDA_PDL, KVFLEET_CUDA_WG_TUNING
+VARIANTS = [("0", ""), ("1", ""), ("1", "PDLT=1")]  # KVFLEET_CUDA_PDL, KVFLEET_CUDA_WG_TUNING
 CASES = [(16, 32768, (64, 16)), (64, 4096, (64,)), (1, 32768, (64,))]  # B, T, head counts
 
 
