@@ -13,6 +13,7 @@ import functools
 import os
 
 import cupy as cp
+import numpy as np
 
 from kernels.cuda._source import _source
 
@@ -92,6 +93,8 @@ class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of paddin
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTR = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)  # (one for every launch)
+_PDL_ATTR.value[0] = 1  # programmaticStreamSerializationAllowed
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,19 +102,23 @@ def _driver():
     return ctypes.CDLL("libcuda.so.1")
 
 
+@functools.lru_cache(maxsize=None)
+def _bytes_type(n: int):
+    return ctypes.c_ubyte * n
+
+
 def _arg(a):
     """One kernel argument as the ctypes object whose address cuLaunchKernelEx takes, packed
     as CuPy packs it for a plain launch: a cupy array as its device pointer, a numpy scalar
     as its bytes, a Python int (bool included) as int64 and a float as float64."""
-    import numpy as np
     if isinstance(a, cp.ndarray):
         return ctypes.c_void_p(a.data.ptr)
     if isinstance(a, int):
-        a = np.int64(a)
-    elif isinstance(a, float):
-        a = np.float64(a)
+        return ctypes.c_int64(a)
+    if isinstance(a, float):
+        return ctypes.c_double(a)
     if isinstance(a, np.generic):
-        return (ctypes.c_ubyte * a.nbytes).from_buffer_copy(a.tobytes())
+        return _bytes_type(a.nbytes).from_buffer_copy(a)
     raise TypeError(f"kernel argument of type {type(a).__name__}: pass a cupy array, a numpy "
                     f"scalar (np.int32, np.float32, np.uint64), an int or a float")
 
@@ -166,15 +173,11 @@ def launch_dependent(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int
     block = tuple(int(x) for x in block) + (1,) * (3 - len(block))
     if min(grid) < 1 or min(block) < 1:
         raise ValueError(f"launch_dependent: grid {grid} and block {block} must be >= 1 in every dim")
-    attr = _LaunchAttr(_PROGRAMMATIC_STREAM_SERIALIZATION, 0)
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    cfg = _LaunchConfig(grid, block, int(shared_mem), ctypes.c_void_p(cp.cuda.get_current_stream().ptr),
-                        ctypes.cast(ctypes.pointer(attr), ctypes.c_void_p), 1)
+    cfg = _LaunchConfig(grid, block, int(shared_mem), cp.cuda.get_current_stream().ptr,
+                        ctypes.addressof(_PDL_ATTR), 1)
     held = [_arg(a) for a in args]
     params = (ctypes.c_void_p * max(len(held), 1))(*[ctypes.addressof(h) for h in held])
-    f = _driver().cuLaunchKernelEx
-    f.restype = ctypes.c_int
-    err = f(ctypes.byref(cfg), ctypes.c_void_p(function_ptr(fn)), params, None)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(function_ptr(fn)), params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx with programmatic stream serialization failed "
                            f"({_error_name(err)}) for grid {grid}, block {block}")
