@@ -13,8 +13,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 @functools.lru_cache(maxsize=None)
 def _source(name: str) -> str:
-    """The text of kernels/cuda/`name` with its local #include "x.cuh" lines replaced by the
-    headers' text (once each), so the compile caches key on everything that is compiled."""
+    """kernels/cuda/`name` with its local headers inlined (see the module's docstring)."""
     return _expand(name, set())
 
 
