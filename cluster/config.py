@@ -47,9 +47,9 @@ class _Frozen(BaseModel):
 class Sampling(_Frozen):
     """Per-request defaults; a prompt line may override each of them."""
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)  # 0 = greedy
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2 ** 64)  # (the samplers' counters are uint64)
 
 
 class Workers(_Frozen):

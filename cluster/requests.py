@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -78,6 +79,10 @@ def result_key(id_: str | None, line: int) -> str:
     return id_ if id_ is not None else f"#line{line}"
 
 
+LINE_KEY = re.compile(r"#line[0-9]+")  # result_key's form for rows without an id: no id may take it
+MAX_TOKEN_ID = 2 ** 31  # token ids are int32 everywhere past the parser
+
+
 SCHEMA = pa.schema([
     ("id", pa.string()),
     ("prompt", pa.string()),
@@ -122,6 +127,9 @@ def parse_line(text: str, line: int) -> Request | InputError:
         return bad(f"unknown field(s) {unknown}; allowed: {sorted(FIELDS)}")
     if rid is None or rid == "":
         return bad(f"'id' must be a non-empty string or int, got {raw_id!r}")
+    if LINE_KEY.fullmatch(rid):
+        return InputError(line, f"line {line}: 'id' {rid!r} is reserved (rows without an id are "
+                                f"keyed by their line)", None, prompt)
     has_text, has_tokens = "prompt" in obj, "prompt_tokens" in obj
     if has_text == has_tokens:
         return bad("give exactly one of 'prompt' (text) and 'prompt_tokens' (list of ints)")
@@ -134,8 +142,8 @@ def parse_line(text: str, line: int) -> Request | InputError:
     else:
         t = obj["prompt_tokens"]
         if not isinstance(t, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                              and x >= 0 for x in t):
-            return bad(f"'prompt_tokens' must be a list of non-negative ints, got {str(t)[:80]}")
+                                              and 0 <= x < MAX_TOKEN_ID for x in t):
+            return bad(f"'prompt_tokens' must be a list of ints in [0, 2**31), got {str(t)[:80]}")
         if not t:
             return bad("empty prompt_tokens")
         tokens = tuple(t)
@@ -144,7 +152,7 @@ def parse_line(text: str, line: int) -> Request | InputError:
             ("max_tokens", int, lambda v: v >= 1, ">= 1"),
             ("temperature", float, lambda v: math.isfinite(v) and v >= 0, ">= 0"),
             ("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
-            ("seed", int, lambda v: v >= 0, ">= 0")):
+            ("seed", int, lambda v: 0 <= v < 2 ** 64, "in [0, 2**64)")):
         if obj.get(name) is None:
             continue
         v = obj[name]
@@ -154,8 +162,10 @@ def parse_line(text: str, line: int) -> Request | InputError:
         if not ok(v):
             return bad(f"'{name}'={v!r} must be {rule}")
         kw[name] = kind(v)
-    stop = obj.get("stop") or ()
-    if isinstance(stop, str):
+    stop = obj.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         return bad(f"'stop' must be a non-empty string or a list of them, got {stop!r}")
@@ -170,17 +180,20 @@ def parse_line(text: str, line: int) -> Request | InputError:
 
 def read_requests(path: str | Path) -> Iterator[Request | InputError]:
     """Every non-blank line of a JSONL file as a Request or an InputError; a repeated id is
-    an error on its later lines."""
+    an error on its later lines, whether its first line was valid or not (so that every
+    line keeps a row of its own: rows are keyed by id)."""
     first_line: dict[str, int] = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, text in enumerate(f, start=1):
             if not text.strip():
                 continue
             item = parse_line(text, n)
-            if isinstance(item, Request):
-                if item.id in first_line:
+            if item.id is not None and item.id in first_line:
+                if isinstance(item, Request):
                     item = InputError(n, f"line {n}: duplicate id {item.id!r} (first on line "
                                          f"{first_line[item.id]})", None, item.prompt)
-                else:
-                    first_line[item.id] = n
+                else:  # (an error already: keyed by its line instead)
+                    item = replace(item, id=None)
+            elif item.id is not None:
+                first_line[item.id] = n
             yield item

@@ -54,6 +54,14 @@ def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
         11: (json.dumps({"id": "q0", "prompt": "again"}), "duplicate id 'q0'"),
         13: (json.dumps({"id": "k", "prompt": "x", "max_tokens": "5"}), "'max_tokens' must be int"),
         15: ("[1, 2]", "expected a JSON object"),
+        # out of range for the samplers' uint64 / the pool's int32 (were OverflowErrors that
+        # ended the job)
+        16: (json.dumps({"id": "s", "prompt": "x", "seed": 2 ** 64}), "'seed'="),
+        17: (json.dumps({"id": "b", "prompt_tokens": [1, 2 ** 63]}), "'prompt_tokens' must be"),
+        # the id of line 13, which was an error itself (its row used to be merged away)
+        18: (json.dumps({"id": "k", "prompt": "x"}), "duplicate id 'k' (first on line 13)"),
+        19: (json.dumps({"id": "#line2", "prompt": "x"}), "is reserved"),  # line 2's key
+        20: (json.dumps({"id": "f", "prompt": "x", "stop": 0}), "'stop' must be"),
     }
     lines = list(good)
     for at in sorted(bad):  # 1-based line numbers in the final file
