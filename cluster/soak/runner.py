@@ -1,11 +1,17 @@
 """`kvfleet soak`: the same prompts on arm A and (optionally) arm B, interleaved A B A B, each
 round one `python -m cluster generate` run on a shared Ray cluster, until --rounds are done
-or --duration is spent (a round that has started finishes, bounded by the time left).
+or --duration is spent (a round still running when the time is spent is cut: logged and left
+out of the summary, so a duration never counts its last requests as lost).
 
 Each round runs in its arm's working directory (another checkout of the code, or this one),
 joins the soak's Ray cluster through RAY_ADDRESS, and leaves a Parquet of results and a
 stats JSON (`generate --stats`). A fault injector may kill a worker actor every interval;
 the job must recover (every id exactly once), and the soak counts what was lost.
+
+Each arm runs its own job config as written: the job settings of the soak's environment
+(KV8, KV_TQ, KVFLEET_SLOTS, ...: cluster/config.py ENV_FIELDS) are not passed to the rounds,
+where they would override both arms alike. DIR must be new or empty (the rounds of an earlier
+soak there would be resumed, not rerun).
 
 Output under DIR:
     rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
@@ -31,7 +37,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from cluster.config import REPO_ROOT
+from cluster.cli import UsageError
+from cluster.config import ENV_FIELDS, REPO_ROOT
+from cluster.requests import read_requests, result_key
 from cluster.soak.config import SoakArm
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
@@ -58,15 +66,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _expected_ids(prompts: Path) -> list[str]:
-    ids = []
-    for n, line in enumerate(prompts.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                ids.append(str(json.loads(line).get("id", f"line{n}")))
-            except (json.JSONDecodeError, AttributeError):
-                ids.append(f"line{n}")
-    return ids
+# the job settings the environment would give every round (cluster/config.py)
+JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
+
+
+def _expected_keys(prompts: Path) -> set[str]:
+    """The result key (cluster/requests.py) of every input line, as generate reads them."""
+    return {result_key(item.id, item.line) for item in read_requests(prompts)}
+
+
+def _served_keys(req: pd.DataFrame) -> set[str]:
+    return {result_key(None if pd.isna(i) else str(i), int(n)) for i, n in zip(req.id, req.line)}
 
 
 def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, deadline: float) -> dict:
@@ -75,32 +85,34 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, deadline: f
     out, stats, logf = rdir / f"{stem}.parquet", rdir / f"{stem}.stats.json", rdir / f"{stem}.log"
     cfg = arm.write_job_config(rdir / f"{arm.key}.job.yaml")
     wd = arm.working_dir or REPO_ROOT
-    env = dict(os.environ, **plan.extra_env, RAY_ADDRESS=address, PYTHONPATH=str(wd),
+    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
+    env.update(plan.extra_env, RAY_ADDRESS=address, PYTHONPATH=str(wd),
                RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg),
            "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
            "--stats", str(stats.resolve())]
     start = time.time()
-    timeout = max(1.0, min(plan.round_timeout_s, deadline - time.monotonic()))
+    left = deadline - time.monotonic()
+    timeout = max(1.0, min(plan.round_timeout_s, left))
     with open(logf, "w") as lf:
         try:
             rc = subprocess.run(cmd, cwd=wd, env=env, stdout=lf, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        except subprocess.TimeoutExpired:  # ("cut": stopped by --duration, not by its own limit)
+            rc = "cut" if left < plan.round_timeout_s else "timeout"
     end = time.time()
     return {"round": rnd, "arm": arm.key, "label": arm.label, "start_s": start, "end_s": end,
             "returncode": str(rc), "parquet": out, "stats": stats, "log": logf}
 
 
-def _round_rows(meta: dict, expected: list[str]) -> tuple[dict, pd.DataFrame]:
+def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     """One rounds.parquet row and the round's request rows."""
     req = pq.read_table(meta["parquet"]).to_pandas() if meta["parquet"].exists() else pd.DataFrame()
     stats = json.loads(meta["stats"].read_text()) if meta["stats"].exists() else {}
     ok = req[req.finish_reason.isin(["stop", "length"])] if len(req) else req
     input_errors = req[(req.finish_reason == "error") & req.error.fillna("").str.startswith("line ")] \
         if len(req) else req
-    served = set(ok.id.astype(str)) | set(input_errors.id.astype(str)) if len(req) else set()
+    served = _served_keys(ok) | _served_keys(input_errors) if len(req) else set()
     workers = stats.get("workers", [])
 
     def wsum(k):
@@ -124,7 +136,7 @@ def _round_rows(meta: dict, expected: list[str]) -> tuple[dict, pd.DataFrame]:
         "device_mem_bytes": wsum("device_mem_bytes"),
         "errors": int((req.finish_reason == "error").sum()) if len(req) else 0,
         "recoveries": int(stats.get("recoveries", 0)),
-        "lost_requests": len(set(expected) - served),
+        "lost_requests": len(expected - served),
     }
     if len(req):
         req = req.assign(round=meta["round"], arm=meta["arm"], id=req.id.astype(str))
@@ -150,8 +162,15 @@ class RatioGauge:
 def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     """Runs the soak; returns (summary, exit code: 0 pass, 1 gate failed)."""
     import ray
+    if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
+        raise UsageError(f"--out {plan.out}: not a new or empty directory (an earlier soak's "
+                         "rounds there would be resumed, not rerun); give another one")
     (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
-    expected = _expected_ids(plan.prompts)
+    expected = _expected_keys(plan.prompts)
+    ignored = sorted(JOB_ENV & set(os.environ))
+    if ignored:
+        log.warning("soak: %s set in the environment, not passed to the rounds (each arm runs "
+                    "its own config)", ", ".join(ignored))
     started = False
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
@@ -176,10 +195,14 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 if killer:
                     killer.round = (rnd, arm.key)
                 log.info("soak round %d arm %s (%s)", rnd, arm.key, arm.label)
-                row, req = _round_rows(_run_round(plan, arm, rnd, address, deadline), expected)
+                meta = _run_round(plan, arm, rnd, address, deadline)
+                if meta["returncode"] == "cut":
+                    log.info("soak round %d arm %s cut by --duration: left out", rnd, arm.key)
+                    break
+                row, req = _round_rows(meta, expected)
                 rows.append(row)
                 reqs.append(req)
-            if ratios:
+            if ratios and len(rows) >= 2 and rows[-1]["round"] == rows[-2]["round"] == rnd:
                 ratios.publish(rows[-2], rows[-1])
             rnd += 1
     finally:
@@ -193,8 +216,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     rounds["kills"] = [sum(1 for k in kills if (k["round"], k["arm"]) == (r, a))
                        for r, a in zip(rounds["round"], rounds["arm"])] if len(rounds) else []
     requests = pd.concat([r for r in reqs if len(r)], ignore_index=True) if any(len(r) for r in reqs) \
-        else pd.DataFrame(columns=["round", "arm", "id", "completion_tokens", "finish_reason",
-                                   "ttft_s", "decode_tokens_per_s"])
+        else pd.DataFrame(columns=["round", "arm", "id", "line", "completion_tokens",
+                                   "finish_reason", "ttft_s", "decode_tokens_per_s"])
     greedy = all(a.greedy for a in plan.arms)
     summary = summarize(requests, rounds, greedy=greedy)
     summary["labels"] = {a.key: a.label for a in plan.arms}

@@ -3,7 +3,7 @@ and the regression gate.
 
 Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
 
-    requests: one row per request and round: round, arm ("A"/"B"), id, ttft_s,
+    requests: one row per request and round: round, arm ("A"/"B"), id, line, ttft_s,
               decode_tokens_per_s, completion_tokens (list), finish_reason, error, ...
     rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, and the
               fault counters kills, recoveries, lost_requests.
@@ -55,14 +55,15 @@ def first_difference(a, b) -> int | None:
 
 
 def parity_table(requests: pd.DataFrame) -> pd.DataFrame:
-    """Per (round, id): the first differing token index between A and B, or None."""
-    a = requests[requests.arm == "A"].set_index(["round", "id"])
-    b = requests[requests.arm == "B"].set_index(["round", "id"])
+    """Per (round, input line): the first differing token index between A and B, or None
+    (keyed by line: every line has one row a round, error rows without an id too)."""
+    a = requests[requests.arm == "A"].set_index(["round", "line"])
+    b = requests[requests.arm == "B"].set_index(["round", "line"])
     rows = []
     for key in a.index.intersection(b.index):
         ra, rb = a.loc[key], b.loc[key]
         ok = ra.finish_reason != "error" and rb.finish_reason != "error"
-        rows.append({"round": key[0], "id": key[1],
+        rows.append({"round": key[0], "id": ra.id,
                      "first_diff": first_difference(ra.completion_tokens, rb.completion_tokens)
                      if ok else None,
                      "compared": bool(ok)})

@@ -19,7 +19,8 @@ def test_report_loads_in_chromium_with_its_plots(tmp_path):
         "decode_tok_s_median": rng.uniform(10, 20, 2 * n), "rss_bytes": rng.uniform(1e9, 2e9, 2 * n),
         "kv_bytes": rng.uniform(1e6, 2e6, 2 * n), "kills": [0, 0, 1, 0, 0, 0, 0, 0],
         "recoveries": [0, 0, 1, 0, 0, 0, 0, 0], "lost_requests": 0, "errors": 0})
-    requests = pd.DataFrame([{"round": r, "arm": a, "id": f"p{i}", "completion_tokens": [1, 2, i + (a == "B")],
+    requests = pd.DataFrame([{"round": r, "arm": a, "id": f"p{i}", "line": i + 1,
+                              "completion_tokens": [1, 2, i + (a == "B")],
                               "finish_reason": "length", "ttft_s": 0.1, "decode_tokens_per_s": 12.0}
                              for r in range(n) for a in "AB" for i in range(3)])
     faults = pd.DataFrame({"time_s": [1007.0], "worker": ["w0"]})

@@ -29,7 +29,8 @@ def _tables():
                 toks = [1, 2, 3, 4]
                 if arm == "B" and r == 1 and i == 1:
                     toks = [1, 2, 7, 4]
-                req.append({"round": r, "arm": arm, "id": f"p{i}", "completion_tokens": toks,
+                req.append({"round": r, "arm": arm, "id": f"p{i}", "line": i + 1,
+                            "completion_tokens": toks,
                             "finish_reason": "length", "ttft_s": 0.1 + i, "decode_tokens_per_s": 10.0})
     return pd.DataFrame(req), rounds
 
@@ -59,3 +60,20 @@ def test_gate_names_the_failing_metric():
     lenient = SimpleNamespace(min_throughput_ratio=0.5, max_parity_breaks=1, max_lost_requests=0,
                               max_errors=None)
     assert apply_gate(s, lenient) == []
+
+
+def test_parity_keys_lines_so_error_rows_without_an_id_do_not_collide():
+    """Two input-error rows of one round have no id (a malformed line, a duplicate id): the
+    parity table pairs A and B by line, compares neither, and still pairs the good rows."""
+    rows = []
+    for arm in "AB":
+        rows += [{"round": 0, "arm": arm, "id": "p0", "line": 1, "completion_tokens": [1, 2],
+                  "finish_reason": "length"},
+                 {"round": 0, "arm": arm, "id": None, "line": 2, "completion_tokens": [],
+                  "finish_reason": "error"},
+                 {"round": 0, "arm": arm, "id": None, "line": 3, "completion_tokens": [],
+                  "finish_reason": "error"}]
+    rows[3]["completion_tokens"] = [1, 5]  # B's p0 differs at token 1
+    par = parity_table(pd.DataFrame(rows))
+    assert len(par) == 3 and int(par.compared.sum()) == 1
+    assert par.loc[par.compared, "first_diff"].item() == 1

@@ -1,0 +1,93 @@
+"""The soak runner's bookkeeping without Ray or a model: which rows count as served, what a
+round's environment holds, a cut round, and a used output directory."""
+import json
+import subprocess
+
+import pandas as pd
+import pytest
+
+from cluster.cli import UsageError
+from cluster.soak import runner
+from cluster.soak.config import load_arm
+
+
+def _prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join([
+        json.dumps({"id": "a", "prompt": "x"}),
+        '{"id": "m", "prompt": ',                            # malformed: keyed by its line
+        json.dumps({"id": "a", "prompt": "again"}),          # duplicate id: keyed by its line
+        json.dumps({"id": "b", "prompt": "x\u2028y"}),       # one line despite U+2028
+    ]) + "\n", encoding="utf-8")
+    return p
+
+
+def _results(rows, tmp_path):
+    path = tmp_path / "r.parquet"
+    pd.DataFrame([{"ttft_s": 0.1, "decode_tokens_per_s": 10.0, **r} for r in rows]).to_parquet(path)
+    return path
+
+
+def test_input_error_rows_count_as_served(tmp_path):
+    expected = runner._expected_keys(_prompts(tmp_path))
+    assert expected == {"a", "#line2", "#line3", "b"}
+    rows = [{"id": "a", "line": 1, "finish_reason": "length", "error": None},
+            {"id": None, "line": 2, "finish_reason": "error", "error": "line 2: malformed JSON"},
+            {"id": None, "line": 3, "finish_reason": "error", "error": "line 3: duplicate id 'a'"},
+            {"id": "b", "line": 4, "finish_reason": "stop", "error": None}]
+    meta = {"round": 0, "arm": "A", "label": "A", "start_s": 0.0, "end_s": 1.0,
+            "returncode": "0", "parquet": _results(rows, tmp_path), "stats": tmp_path / "none"}
+    row, _ = runner._round_rows(meta, expected)
+    assert row["lost_requests"] == 0 and row["errors"] == 2
+    meta["parquet"] = _results(rows[:1] + rows[2:], tmp_path)  # line 2's row missing
+    assert runner._round_rows(meta, expected)[0]["lost_requests"] == 1
+
+
+def _arm(tmp_path):
+    cfg = tmp_path / "arm.yaml"
+    cfg.write_text("kv: tq4\nslots: 2\n")
+    return load_arm(cfg)
+
+
+def test_round_env_keeps_the_arms_config(tmp_path, monkeypatch):
+    """KV8 / KVFLEET_SLOTS in the soak's environment would override both arms alike."""
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen.update(env)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    monkeypatch.setenv("KV8", "1")
+    monkeypatch.setenv("KVFLEET_SLOTS", "8")
+    monkeypatch.setenv("KVFLEET_KEEP_ME", "yes")
+    (tmp_path / "rounds").mkdir()
+    plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=_prompts(tmp_path), out=tmp_path)
+    meta = runner._run_round(plan, plan.arms[0], 0, "127.0.0.1:1", deadline=1e18)
+    assert meta["returncode"] == "0"
+    assert "KV8" not in seen and "KVFLEET_SLOTS" not in seen and seen["KVFLEET_KEEP_ME"] == "yes"
+    assert seen["RAY_ADDRESS"] == "127.0.0.1:1"
+
+
+def test_round_stopped_by_the_duration_is_cut_not_timed_out(tmp_path, monkeypatch):
+    def fake_run(cmd, timeout, **kw):
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    (tmp_path / "rounds").mkdir()
+    plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=_prompts(tmp_path), out=tmp_path,
+                           round_timeout_s=600.0)
+    now = runner.time.monotonic()
+    assert runner._run_round(plan, plan.arms[0], 0, "x", deadline=now + 5)["returncode"] == "cut"
+    assert runner._run_round(plan, plan.arms[0], 0, "x", deadline=now + 1e6)["returncode"] \
+        == "timeout"
+
+
+def test_used_output_directory_is_refused(tmp_path):
+    out = tmp_path / "soak"
+    (out / "rounds").mkdir(parents=True)
+    (out / "rounds" / "r000_A.parquet").write_bytes(b"old")
+    plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=_prompts(tmp_path), out=out, rounds=1)
+    with pytest.raises(UsageError, match="not a new or empty directory"):
+        runner.run_soak(plan)
+    assert (out / "rounds" / "r000_A.parquet").read_bytes() == b"old"  # nothing touched
