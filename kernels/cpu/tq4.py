@@ -49,11 +49,15 @@ _PAIR_WORDS = PAIR_LEVELS.copy().view(np.uint64).reshape(256)
 
 def column_norms(xt: np.ndarray) -> np.ndarray:
     """float32(sqrt(sum of squares)) of each column of xt[n, rows], accumulated in float64
-    from index 0 upward (a reduction over the outer axis adds whole rows in order)."""
-    sq = xt.astype(np.float64)
+    from index 0 upward (a reduction over the outer axis of a C-ordered array adds whole rows
+    in order; a single column would be summed pairwise as a 1-D array, so it is doubled)."""
+    sq = np.array(xt, dtype=np.float64, order="C")
+    cols = sq.shape[1]
+    if cols == 1:
+        sq = np.repeat(sq, 2, axis=1)
     sq *= sq
     with np.errstate(over="ignore"):  # a norm past float32 becomes Inf: an inert row
-        return np.sqrt(np.add.reduce(sq, axis=0)).astype(np.float32)
+        return np.sqrt(np.add.reduce(sq, axis=0)[:cols]).astype(np.float32)
 
 
 def row_norms(x: np.ndarray) -> np.ndarray:

@@ -71,6 +71,22 @@ def test_radius_is_exact_sequential_float64_norm():
     assert np.array_equal(radius, np.array([norm_py(r) for r in x], np.float32))
 
 
+@pytest.mark.parametrize("tier", ["tq4", "polar3"])
+def test_radius_is_sequential_for_a_lone_row_too(tier):
+    """A row whose pairwise float64 sum rounds differently from the sequential one: alone, in
+    a batch, as the single row of a batch's last block (257 rows), and given in column
+    order, its radius is the contract's (numpy sums a lone column pairwise)."""
+    x = np.full(128, 2.0 ** -27, np.float32)
+    x[0], x[1], x[2] = 1.0, 2.0 ** -12, 2.0 ** -12
+    want = norm_py(x)
+    assert want.view(np.uint32) == 0x3F800000
+    for rows in (1, 2, 3, 257):
+        batch = np.repeat(x[None], rows, axis=0)
+        _, radius = encode_rows(tier, batch)
+        assert np.array_equal(radius.view(np.uint32), np.full(rows, want).view(np.uint32)), rows
+    assert tq4.column_norms(np.asfortranarray(np.repeat(x[:, None], 3, axis=1)))[2] == want
+
+
 def test_nibble_order_low_nibble_is_even_index():
     x = gaussian(5, 32, seed=7)
     codes, _ = tq4.encode(x)
