@@ -6,7 +6,9 @@
     kvfleet_queue_depth               Gauge      requests waiting for a slot
     kvfleet_active_slots              Gauge      sequences holding a slot
     kvfleet_kv_bytes_in_use           Gauge      tags tier, device (the worker)
-    kvfleet_fallbacks                 Counter    tag path (a native path that fell back)
+    kvfleet_fallbacks                 Counter    tag path: a native path that fell back (e.g.
+                                                 cpu.polar_rebuild_rows, cuda.attend_polar3,
+                                                 cuda.host_model_steps: a cuda worker on numpy)
     kvfleet_expert_pins               Gauge      tag device: routed experts the worker holds
     kvfleet_expert_hit_rate           Gauge      tag device: share of its routed picks served
                                                  by its own shard (workers/expert_shard.py)

@@ -56,6 +56,9 @@ class ShardedWorker(Worker):
             from workers.model import Model
             from workers.weights import load_params
             model = Model(self.cfg, load_params(self.model_dir, self.cfg, experts=mine))
+        # a cuda worker that runs the numpy model: each of its steps is counted as a fallback
+        # (path cuda.host_model_steps), beside use_cuda's one warning
+        self._host_fallback = kind == "cuda" and pool is None
         self.experts = ShardedExperts(rank, owners, take_shard(model, self.cfg, mine))
         model.set_experts(self.experts)
         super().__init__(spec, model=model, pool=pool)
@@ -69,6 +72,12 @@ class ShardedWorker(Worker):
         # back to numpy), so a fallback shows in the group's info, not only in a log line
         return dict(super().info(), device=self.kind, rank=self.rank, node_id=node,
                     experts=self.experts.shard.count(), model=type(self.model).__name__)
+
+    def _drain_fallbacks(self) -> dict[str, int]:
+        out = super()._drain_fallbacks()
+        if self._host_fallback:
+            out["cuda.host_model_steps"] = 1
+        return out
 
     def connect(self, peers: dict[int, Any], transport: str = "ray") -> None:
         """Peers by rank: Ray actor handles (transport "ray") or workers in this process

@@ -105,6 +105,31 @@ def test_sharded_workers_give_the_full_models_logits(tiny, kinds):
                                                  for r in range(3)]
 
 
+def test_cuda_worker_on_the_host_counts_every_step_as_a_fallback(tiny, monkeypatch):
+    """A fleet device of kind cuda where CuPy sees no GPU runs the numpy model: said once in
+    the log, and counted in each step's fallbacks (kvfleet_fallbacks, path
+    cuda.host_model_steps), so a dashboard shows it."""
+    from workers import cuda_model
+    from workers.actor import StepBatch
+    monkeypatch.setattr(cuda_model, "use_cuda", lambda name: False)
+    cfg = ModelConfig.from_file(tiny / "config.json")
+    owners = {l: np.zeros(cfg.n_routed_experts, np.int32)  # one rank holds every expert
+              for l in range(cfg.num_hidden_layers) if cfg.is_moe_layer(l)}
+    w = ShardedWorker(WorkerSpec("g/cuda0", str(tiny), "f32", 2, 64), "cuda", 0, owners)
+    w.connect({0: w}, transport="local")
+    assert w.info()["model"] == "Model"
+    one = lambda: np.zeros(1, np.uint64)  # noqa: E731
+    for step in range(2):
+        out = w.step(StepBatch(keys=np.array([7], np.int64), tokens=np.array([3], np.int32),
+                               positions=np.array([step], np.int32),
+                               sample_at=np.array([0], np.int32),
+                               temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32),
+                               seed=one(), counter=one()))
+        assert out.fallbacks == {"cuda.host_model_steps": 1}
+    cpu = ShardedWorker(WorkerSpec("c", str(tiny), "f32", 2, 64), "cpu", 0, owners)
+    assert "cuda.host_model_steps" not in cpu._drain_fallbacks()
+
+
 def test_inprocess_sharded_job_matches_single_worker(tiny, tmp_path, reference):
     prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N))
     cfg = config(tiny, slots=2, workers={"runtime": "inprocess", "count": 3, "experts": "sharded"})
