@@ -32,19 +32,35 @@ SCALE = 1.0 / np.sqrt(192.0)
 def parse_shape(s: str) -> tuple[int, int]:
     try:
         b, t = s.lower().split("x")
-        return int(b), int(t)
+        b, t = int(b), int(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shapes entry {s!r} must look like 16x32768") from None
+    if b < 1 or t < 1:
+        raise argparse.ArgumentTypeError(f"--shapes entry {s!r}: B and T must be >= 1")
+    return b, t
+
+
+def _at_least_one(flag: str):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {s!r} is not an integer") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {v}")
+        return v
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["cuda", "cpu", "metal"], default="cuda")
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in SHAPES],
                    metavar="BxT")
-    p.add_argument("--heads", dest="head_counts", nargs="+", type=int, default=HEADS)
+    p.add_argument("--heads", dest="head_counts", nargs="+", type=_at_least_one("--heads"),
+                   default=HEADS)
     p.add_argument("--tiers", nargs="+", default=TIERS, choices=TIERS)
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--cpu-divide", type=int, default=64,
+    p.add_argument("--repeat", type=_at_least_one("--repeat"), default=20)
+    p.add_argument("--cpu-divide", type=_at_least_one("--cpu-divide"), default=64,
                    help="cpu backend: divide every T by this (numpy is slow)")
     p.add_argument("--breakdown", action="store_true",
                    help="cuda: also time variants that leave stages out (16x32768)")

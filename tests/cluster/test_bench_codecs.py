@@ -55,3 +55,17 @@ def test_text_report_and_usage_errors(capsys, tmp_path):
     assert cli.main(["bench", "codecs", "--tokens", "0"]) == 2
     with pytest.raises(SystemExit):
         cli.main(["bench", "codecs", "--tiers", "kv9"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--heads", "0"], "--heads must be >= 1, got 0"),
+    (["--cpu-divide", "0"], "--cpu-divide must be >= 1, got 0"),
+    (["--repeat", "-1"], "--repeat must be >= 1, got -1"),
+    (["--shapes", "0x64"], "--shapes entry '0x64': B and T must be >= 1"),
+    (["--shapes", "16by64"], "must look like 16x32768"),
+])
+def test_attention_bench_flags_are_checked(capsys, flags, message):
+    """(--heads 0 ran an H=0 'benchmark'; --cpu-divide 0 ended in a ZeroDivisionError)"""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "attention", "--backend", "cpu", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
