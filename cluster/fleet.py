@@ -14,6 +14,9 @@
         labels: {zone: a}              # Ray node labels (optional)
 
 Errors name the file and the field path: "fleet.yaml: nodes.1.memory: ...".
+
+`plan_fleet` is the one way to plan a fleet: `kvfleet plan` and the generate job's placement
+(cluster/placement.py) both call it, so the same fleet fits in both or in neither.
 """
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from cluster.footprint import WEIGHT_FORMATS
+from cluster import planner
+from cluster.footprint import WEIGHT_FORMATS, Footprint
+from cluster.memory_probe import ProbeError
 from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
 from kernels.tiers import get_tier
 
@@ -44,7 +50,7 @@ class Node(_Frozen):
     kind: Literal["cuda", "cpu", "metal"]
     devices: int = Field(1, ge=1)
     memory: float | Literal["auto"]
-    reserve_gb: float = Field(2.0, ge=0)
+    reserve_gb: float = Field(2.0, ge=0, allow_inf_nan=False)
     slots: int = Field(1, ge=1)
     resources: dict[str, float] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -72,7 +78,7 @@ class PlanDefaults(_Frozen):
     ctx: int = Field(32768, ge=1)
     kv: str = "f32"
     experts: str = "bf16"
-    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0)
+    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0, allow_inf_nan=False)
 
     @field_validator("kv")
     @classmethod
@@ -160,19 +166,43 @@ def _describe(source: str, err: dict) -> str:
 def device_budgets(fleet: Fleet, free_bytes: Mapping[str, int] | Callable[[DeviceSpec], int] | None = None,
                    slots: int | None = None) -> list[DeviceBudget]:
     """The planner's view of every device. free_bytes: free memory of "auto" devices, by
-    device name or as a function (tests pass numbers; runs pass cluster.memory_probe.free_bytes)."""
+    device name or as a function (tests pass numbers; runs pass cluster.memory_probe.free_bytes,
+    whose ProbeError becomes a FleetError naming the file, node and device).
+    slots: overrides every node's `slots` when given."""
     out = []
-    for spec in fleet.devices():
-        node = spec.node
-        if node.memory == "auto":
-            if free_bytes is None:
-                raise FleetError(f"{fleet.source}: node {node.name} has memory 'auto' but no free "
-                                 "memory was measured for it; give memory in GB")
-            mem = free_bytes(spec) if callable(free_bytes) else free_bytes.get(spec.name)
-            if mem is None:
-                raise FleetError(f"{fleet.source}: no free memory given for device {spec.name} (memory 'auto')")
-        else:
-            mem = round(node.memory * GB)
-        out.append(DeviceBudget(spec.name, node.kind, int(mem), round(node.reserve_gb * GB),
-                                slots or node.slots, auto=node.memory == "auto"))
+    for i, node in enumerate(fleet.nodes):
+        for spec in (DeviceSpec(node, j) for j in range(node.devices)):
+            mem = round(node.memory * GB) if node.memory != "auto" else _auto(fleet, i, spec, free_bytes)
+            out.append(DeviceBudget(spec.name, node.kind, int(mem), round(node.reserve_gb * GB),
+                                    slots or node.slots, auto=node.memory == "auto"))
     return out
+
+
+def _auto(fleet: Fleet, i: int, spec: DeviceSpec,
+          free_bytes: Mapping[str, int] | Callable[[DeviceSpec], int] | None) -> int:
+    if free_bytes is None:
+        raise FleetError(f"{fleet.source}: node {spec.node.name} has memory 'auto' but no free "
+                         "memory was measured for it; give memory in GB")
+    try:
+        mem = free_bytes(spec) if callable(free_bytes) else free_bytes.get(spec.name)
+    except ProbeError as e:
+        raise FleetError(f"{fleet.source}: nodes.{i}.memory: 'auto', but the free memory of device "
+                         f"{spec.name} could not be measured on this machine ({e}); give memory "
+                         "in GB") from None
+    if mem is None:
+        raise FleetError(f"{fleet.source}: no free memory given for device {spec.name} (memory 'auto')")
+    return mem
+
+
+def plan_fleet(fleet: Fleet, fp: Footprint,
+               free_bytes: Mapping[str, int] | Callable[[DeviceSpec], int] | None = None, *,
+               tier: str | None = None, ctx: int | None = None, experts: str | None = None,
+               slots: int | None = None, usage: np.ndarray | None = None) -> planner.Plan:
+    """The budget plan of `fleet` for the model `fp`. tier / ctx / experts: None takes the
+    fleet file's `plan.*`; the shadow floor is always its `plan.shadow_floor_gb`. slots:
+    overrides every node's `slots`. Raises FleetError or PlanError."""
+    d = fleet.plan
+    return planner.plan(fp, device_budgets(fleet, free_bytes, slots=slots),
+                        tier=d.kv if tier is None else tier, ctx=d.ctx if ctx is None else ctx,
+                        experts=d.experts if experts is None else experts, usage=usage,
+                        shadow_floor_bytes=round(d.shadow_floor_gb * GB))

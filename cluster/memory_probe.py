@@ -1,8 +1,13 @@
-"""Free memory of a device on this machine, for fleet nodes whose memory is "auto".
+"""Free memory of a device, for fleet nodes whose memory is "auto", read on THIS machine.
 
-cuda: cudaMemGetInfo through CuPy, else `nvidia-smi --query-gpu=memory.free`.
-cpu / metal: available host memory (psutil when installed, else /proc/meminfo on Linux);
-a Mac's GPU shares that memory. Runs on the node itself (a Ray task there, or locally).
+cuda: cudaMemGetInfo through CuPy, else `nvidia-smi --query-gpu=memory.free`, of the local
+GPU with the device's index. cpu / metal: available host memory (psutil when installed,
+else /proc/meminfo on Linux); a Mac's GPU shares that memory.
+
+Nothing runs on the fleet's nodes: `kvfleet plan` probes where it runs and the generate job
+probes on its driver, whichever node a device belongs to. So "auto" measures the node the
+planner runs on (a one-machine fleet, or the driver's own node); give other nodes' memory
+in GB (or `kvfleet plan --free-gb DEVICE=GB`).
 """
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cluster.fleet import DeviceSpec
+if TYPE_CHECKING:  # cluster.fleet imports ProbeError from here
+    from cluster.fleet import DeviceSpec
 
 
 class ProbeError(RuntimeError):

@@ -6,6 +6,13 @@ its node's `resources` (split over the node's devices) or, when the fleet gives 
 num_gpus=1 only together with those (Ray also counts Apple GPUs as GPUs). Without a fleet,
 `workers.count` cpu workers with `workers.resources` / `label_selector` as given.
 
+With a fleet, the devices are planned by cluster.fleet.plan_fleet exactly as `kvfleet plan`
+plans them (the fleet's plan.experts and plan.shadow_floor_gb; the job's kv and max_context).
+A job `slots` that is set (YAML, KVFLEET_SLOTS, --slots) overrides every node's `slots`, as
+`kvfleet plan --slots` does; left unset, each device gets its node's. `workers.count`, when
+set, must equal the number of fleet devices (the fleet gives one worker per device). A
+relative `workers.fleet` resolves against the repo root, as a relative `model` does.
+
 Experts (`split_owners`): cluster.planner.split_experts over each device's room for experts
 in the budget plan (free + pinned bytes), so every routed expert has exactly one owner:
 dealt out evenly when an even share fits every device, else most room first (`even_rooms`).
@@ -13,12 +20,15 @@ dealt out evenly when an even share fits every device, else most room first (`ev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cluster.config import JobConfig, JobConfigError
+from cluster.config import REPO_ROOT, JobConfig, JobConfigError
 from workers.actor import WorkerSpec
+
+if TYPE_CHECKING:
+    from cluster.fleet import Fleet
 
 
 @dataclass(frozen=True)
@@ -37,24 +47,37 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
         opts = _options("cpu", w.num_cpus, w.resources, w.label_selector, default_resource=False)
         return [Placement(_spec(cfg, f"worker{i}", cfg.slots), "cpu", opts, 1)
                 for i in range(w.count)]
-    from cluster.fleet import Fleet, FleetError, device_budgets
+    from cluster.fleet import Fleet, FleetError, plan_fleet
     from cluster.memory_probe import free_bytes
-    from cluster.planner import PlanError, plan
+    from cluster.planner import PlanError
+    slots = cfg.slots if "slots" in cfg.model_fields_set else None  # None: each node's own
     try:
-        fleet = Fleet.from_file(w.fleet)
-        budgets = device_budgets(fleet, free_bytes)  # "auto": measured on this machine
-        p = plan(Footprint.from_file(cfg.model), budgets, tier=cfg.kv, ctx=cfg.max_context,
-                 experts=fleet.plan.experts)
-    except (FleetError, PlanError) as e:
+        fleet = Fleet.from_file(w.fleet if w.fleet.is_absolute() else REPO_ROOT / w.fleet)
+        _check_count(cfg, fleet)
+        p = plan_fleet(fleet, Footprint.from_file(cfg.model), free_bytes,  # "auto": on the driver
+                       tier=cfg.kv, ctx=cfg.max_context, slots=slots)
+    except FleetError as e:  # also a failed probe of an "auto" device
         raise JobConfigError(f"workers.fleet: {e}") from None
+    except PlanError as e:
+        why = "" if slots is None else f" (the job's slots={slots} overrides every node's slots)"
+        raise JobConfigError(f"workers.fleet {fleet.source}: {e}{why}") from None
     out = []
     for dev, dp in zip(fleet.devices(), p.devices):
         n = dev.node
         res = {k: v / n.devices for k, v in n.resources.items()}
-        out.append(Placement(_spec(cfg, dev.name, n.slots), n.kind,
+        out.append(Placement(_spec(cfg, dev.name, dp.device.slots), n.kind,
                              _options(n.kind, w.num_cpus, res, n.labels),
                              max(dp.free_bytes + dp.pinned_bytes, 1)))
     return out
+
+
+def _check_count(cfg: JobConfig, fleet: Fleet) -> None:
+    """A set `workers.count` (YAML, KVFLEET_WORKERS, --workers) must agree with the fleet."""
+    w, n = cfg.workers, len(fleet.devices())
+    if "count" in w.model_fields_set and w.count != n:
+        raise JobConfigError(f"workers.count={w.count} but workers.fleet {fleet.source} gives one worker "
+                             f"per device, {n} in all; drop workers.count (or --workers / KVFLEET_WORKERS) "
+                             "or change the fleet's nodes.*.devices")
 
 
 def _options(kind: str, num_cpus: float, resources: dict[str, float], labels: dict[str, str],

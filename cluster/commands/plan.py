@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
 from cluster.cli import UsageError
-from cluster.fleet import Fleet, FleetError, device_budgets
+from cluster.fleet import Fleet, FleetError, plan_fleet
 from cluster.footprint import WEIGHT_FORMATS, Footprint
-from cluster.memory_probe import ProbeError, free_bytes
-from cluster.planner import GB, PlanError, plan
+from cluster.memory_probe import free_bytes
+from cluster.planner import GB, PlanError
 from kernels.tiers import TIERS
 from workers.config import ConfigError
 
@@ -67,9 +68,12 @@ def _free(specs: list[str]) -> dict[str, int]:
     for s in specs:
         name, _, val = s.partition("=")
         try:
-            out[name] = round(float(val) * GB)
+            size = float(val)
         except ValueError:
             raise UsageError(f"--free-gb {s!r}: expected DEVICE=GB, e.g. node/cuda0=120") from None
+        if not math.isfinite(size) or size < 0:
+            raise UsageError(f"--free-gb {s!r}: GB must be a finite number >= 0, got {val!r}")
+        out[name] = round(size * GB)
     return out
 
 
@@ -81,19 +85,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         fleet = Fleet.from_file(args.config)
         fp = _footprint(args.model_config or fleet.model_path())
-        d = fleet.plan
         free, probed = _free(args.free_gb), []
 
         def measure(spec):
             if spec.name in free:
                 return free[spec.name]
             probed.append(spec.name)
-            return free_bytes(spec)  # on this machine: a remote node's runtime measures there
+            return free_bytes(spec)  # read on this machine, also for a device of another node
 
-        budgets = device_budgets(fleet, measure, slots=args.slots)
-        p = plan(fp, budgets, tier=args.kv or d.kv, ctx=args.ctx or d.ctx, experts=args.experts or d.experts,
-                 usage=_usage(args.usage), shadow_floor_bytes=round(d.shadow_floor_gb * GB))
-    except (FleetError, PlanError, ProbeError) as e:
+        p = plan_fleet(fleet, fp, measure, tier=args.kv, ctx=args.ctx, experts=args.experts,
+                       slots=args.slots, usage=_usage(args.usage))
+    except (FleetError, PlanError) as e:  # a failed probe is a FleetError naming file and device
         raise UsageError(str(e)) from None
     out = p.to_dict()
     out["measured_here"] = probed

@@ -60,9 +60,12 @@ def free_ports(n: int) -> list[int]:
 
 
 def job_config(model, **kw):
-    """An in-process job config over `model` for tests; keyword args override fields."""
+    """An in-process job config over `model` for tests; keyword args override fields. With
+    a fleet, the slots are its nodes' unless given (a job `slots` overrides them all)."""
     from cluster.config import load_job_config
     over = {"model": str(model), "slots": 4, "max_context": 64, "prefill_chunk": 16,
             "workers": {"runtime": "inprocess"}}
+    if "fleet" in kw.get("workers", {}) and "slots" not in kw:
+        del over["slots"]
     over.update(kw)
     return load_job_config(env={}, overrides=over)

@@ -50,6 +50,14 @@ def test_examples_load():
     ("nodes:\n  - {name: 'a b', kind: cuda, memory: 80}\n", "fleet.yaml: nodes.0.name: String should match pattern"),
     ("- just a list\n", "fleet.yaml: expected a mapping with 'nodes', got list"),
     ("nodes: [\n", "fleet.yaml: not valid YAML"),
+    ("plan: {shadow_floor_gb: .inf}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n",
+     "fleet.yaml: plan.shadow_floor_gb: Input should be a finite number (got inf)"),
+    ("plan: {shadow_floor_gb: .nan}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n",
+     "fleet.yaml: plan.shadow_floor_gb: Input should be a finite number (got nan)"),
+    ("nodes:\n  - {name: a, kind: cpu, memory: auto, reserve_gb: .inf}\n",
+     "fleet.yaml: nodes.0.reserve_gb: Input should be a finite number (got inf)"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: b, kind: cpu, memory: 9, reserve_gb: .nan}\n",
+     "fleet.yaml: nodes.1.reserve_gb: Input should be a finite number (got nan)"),
 ])
 def test_errors_name_file_and_field(tmp_path, body, where):
     with pytest.raises(FleetError) as e:
@@ -121,3 +129,31 @@ def test_memory_probe(monkeypatch):
     with pytest.raises(memory_probe.ProbeError, match="cuda device 0: neither cupy nor nvidia-smi"):
         memory_probe.free_bytes(spec[1])
     assert memory_probe.host_available() > 0  # /proc/meminfo without psutil
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-5"])
+def test_cli_plan_free_gb_must_be_finite(tmp_path, capsys, value):
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 2}\n")
+    card = FLEETS.parent / "models" / "glm-5.2.json"
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", f"box/cpu0={value}"]) == 2
+    assert f"--free-gb 'box/cpu0={value}': GB must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_failed_probe_names_fleet_file_and_device(tmp_path, monkeypatch, capsys):
+    """A probe that fails on this machine is a FleetError (kvfleet plan: exit 2) naming the
+    file, the field and the fleet's device, not only the local GPU index."""
+    from cluster import memory_probe
+    monkeypatch.setattr(memory_probe.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(memory_probe.shutil, "which", lambda name: None)
+    fleet = write(tmp_path, "nodes:\n  - {name: host, kind: cpu, memory: 64}\n"
+                            "  - {name: gpu-box, kind: cuda, devices: 2, memory: auto}\n")
+    f = Fleet.from_file(fleet)
+    with pytest.raises(FleetError) as e:
+        device_budgets(f, lambda spec: {"gpu-box/cuda0": 70 * GB}.get(spec.name) or memory_probe.free_bytes(spec))
+    assert str(e.value) == (f"{fleet}: nodes.1.memory: 'auto', but the free memory of device gpu-box/cuda1 could "
+                            "not be measured on this machine (cuda device 1: neither cupy nor nvidia-smi is "
+                            "available to read free memory); give memory in GB")
+    card = FLEETS.parent / "models" / "deepseek-v3.json"
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card)]) == 2
+    err = capsys.readouterr().err
+    assert f"kvfleet plan: error: {fleet}: nodes.1.memory:" in err and "device gpu-box/cuda0" in err

@@ -1,0 +1,108 @@
+"""Placement of a fleet job: planned exactly as `kvfleet plan` plans the fleet, a failed
+memory probe is a user error naming the fleet file and device, a set job `slots` overrides
+the nodes' and a set `workers.count` must agree with the fleet, and a relative
+`workers.fleet` resolves against the repo root like `model`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import REPO_ROOT, JobConfigError, load_job_config
+from cluster.placement import fleet_placements
+
+CARD = REPO_ROOT / "configs" / "models" / "glm-5.2.json"
+SHARDED = REPO_ROOT / "configs" / "sharded.yaml"
+
+# 1M tokens of kv8 on one H200: fits only without the fp8 shadow (48 GB at this ctx)
+BIG_CTX = ("model: {card}\nplan: {{ctx: 1048576, kv: kv8, experts: int4{floor}}}\n"
+           "nodes:\n  - {{name: h200, kind: cuda, memory: 141, reserve_gb: 4, slots: 1}}\n")
+# three devices of the shipped kvfleet-mini's size, with slots of their own
+THREE = ("nodes:\n  - {name: host, kind: cpu, devices: 2, memory: 4, reserve_gb: 1, slots: 3}\n"
+         "  - {name: mac, kind: metal, memory: 4, reserve_gb: 1, slots: 1}\n")
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def job(env=None, **over):
+    return load_job_config(env=env or {}, overrides=over)
+
+
+def test_job_plans_the_fleet_as_kvfleet_plan_does(tmp_path, capsys):
+    """plan.shadow_floor_gb reaches the job: the same fleet fits in both or in neither."""
+    off = write(tmp_path / "off.yaml", BIG_CTX.format(card=CARD, floor=", shadow_floor_gb: 1000"))
+    assert main(["plan", "--config", str(off), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["shadow_bytes"] == 0
+    [p] = fleet_placements(job(model=str(CARD), kv="kv8", max_context=1048576, workers={"fleet": str(off)}))
+    assert p.expert_room == d["free_bytes"] + d["pinned_expert_bytes"] > 0
+    on = write(tmp_path / "on.yaml", BIG_CTX.format(card=CARD, floor=""))  # the 32 GB default floor
+    assert main(["plan", "--config", str(on)]) == 2
+    assert "shadow 48.38 GB" in capsys.readouterr().err
+    with pytest.raises(JobConfigError, match="shadow 48.38 GB"):
+        fleet_placements(job(model=str(CARD), kv="kv8", max_context=1048576, workers={"fleet": str(on)}))
+
+
+def test_failed_probe_is_a_usage_error_naming_fleet_and_device(tmp_path, monkeypatch, capsys):
+    from cluster import memory_probe
+
+    def no_gpu(index):
+        raise memory_probe.ProbeError(f"cuda device {index}: nvidia-smi failed (9): NVML not found")
+    monkeypatch.setattr(memory_probe, "_cuda_free", no_gpu)
+    fleet = write(tmp_path / "auto.yaml", "nodes:\n"
+                  "  - {name: host, kind: cpu, memory: 4, reserve_gb: 1, slots: 2}\n"
+                  "  - {name: gpu-box, kind: cuda, devices: 2, memory: auto, reserve_gb: 2}\n")
+    with pytest.raises(JobConfigError) as e:
+        fleet_placements(job(workers={"fleet": str(fleet), "experts": "sharded"}))
+    for part in (f"workers.fleet: {fleet}: nodes.1.memory", "gpu-box/cuda0",
+                 "cuda device 0: nvidia-smi failed (9): NVML not found", "give memory in GB"):
+        assert part in str(e.value)
+    cfg = write(tmp_path / "job.yaml", f"workers: {{fleet: {fleet}, experts: sharded, runtime: inprocess}}\n")
+    prompts = write(tmp_path / "p.jsonl", '{"id": "a", "prompt": "hi", "max_tokens": 2}\n')
+    assert main(["generate", "--config", str(cfg), "--prompts", str(prompts),
+                 "--out", str(tmp_path / "out.parquet")]) == 2  # no traceback: exit 2, one line
+    err = capsys.readouterr().err
+    assert "kvfleet generate: error: workers.fleet:" in err and "gpu-box/cuda0" in err and str(fleet) in err
+
+
+def test_job_slots_override_the_nodes(tmp_path):
+    fleet = write(tmp_path / "f.yaml", THREE)
+    w = {"fleet": str(fleet)}
+    slots = lambda cfg: [p.spec.slots for p in fleet_placements(cfg)]  # noqa: E731
+    assert slots(job(workers=w)) == [3, 3, 1]  # slots left unset: each node's own
+    assert slots(job(slots=5, workers=w)) == [5, 5, 5]  # --slots
+    assert slots(job(env={"KVFLEET_SLOTS": "7"}, workers=w)) == [7, 7, 7]
+    yaml_job = write(tmp_path / "job.yaml", f"slots: 6\nworkers: {{fleet: {fleet}}}\n")
+    six = fleet_placements(load_job_config(yaml_job, env={}))
+    assert [p.spec.slots for p in six] == [6, 6, 6]
+    # the plan behind expert_room counts the overriding slots: more KV, less room for experts
+    assert all(a.expert_room > b.expert_room for a, b in zip(fleet_placements(job(slots=1, workers=w)), six))
+    with pytest.raises(JobConfigError, match=r"slots=4000 overrides every node's slots"):
+        fleet_placements(job(slots=4000, workers=w))  # no longer fits: the error says why
+
+
+def test_workers_count_must_match_the_fleet(tmp_path):
+    w = {"fleet": str(write(tmp_path / "f.yaml", THREE))}
+    assert len(fleet_placements(job(workers=w))) == 3  # count left unset
+    assert len(fleet_placements(job(workers={**w, "count": 3}))) == 3  # agrees with the fleet
+    for make in (lambda: job(workers={**w, "count": 5}), lambda: job(env={"KVFLEET_WORKERS": "1"}, workers=w)):
+        with pytest.raises(JobConfigError, match=r"workers.count=\d but workers.fleet .*f.yaml gives one "
+                                                 r"worker per device, 3 in all"):
+            fleet_placements(make())
+
+
+def test_relative_fleet_resolves_against_the_repo_root(tmp_path, monkeypatch):
+    """The shipped configs/sharded.yaml (fleet: configs/fleets/local-sharded.yaml) from any cwd."""
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "mine.yaml", "nodes:\n  - {name: a, kind: cpu, memory: 4}\n")  # in the cwd only
+    cfg = load_job_config(SHARDED, env={})
+    assert not cfg.workers.fleet.is_absolute() and cfg.model == REPO_ROOT / "models" / "kvfleet-mini"
+    pl = fleet_placements(cfg)
+    assert [p.spec.name for p in pl] == ["host/cpu0", "host/cpu1", "mac/metal0"]
+    with pytest.raises(JobConfigError, match=f"workers.fleet: {REPO_ROOT / 'mine.yaml'}: no such fleet file"):
+        fleet_placements(job(workers={"fleet": "mine.yaml"}))
