@@ -191,16 +191,28 @@ def _merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def _validate(data: dict, source: str) -> JobConfig:
+def _validate(data: dict, source: str, origin: Mapping[str, str] | None = None) -> JobConfig:
+    """origin: field path -> what set it (an environment variable, "flags"), named in errors."""
     try:
         return JobConfig.model_validate(data)
     except ValidationError as e:
         lines = []
         for err in e.errors():
             where = ".".join(str(p) for p in err["loc"]) or "<top>"
+            by = next((f" (from {o})" for f, o in (origin or {}).items()
+                       if where == f or where.startswith(f + ".")), "")
             got = f" (got {err['input']!r})" if "input" in err and err["type"] != "missing" else ""
-            lines.append(f"{source}: {where}: {err['msg']}{got}")
+            lines.append(f"{source}: {where}{by}: {err['msg']}{got}")
         raise JobConfigError("; ".join(lines)) from None
+
+
+def _paths(d: Mapping, prefix: str = "") -> list[str]:
+    """The leaf field paths of a nested dict ("sampling.seed")."""
+    out = []
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        out += _paths(v, path + ".") if isinstance(v, Mapping) else [path]
+    return out
 
 
 def validate_job_config(data: dict, source: str) -> JobConfig:
@@ -228,9 +240,15 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
                                  f"{type(loaded).__name__}")
         data = loaded or {}
     cfg = _validate(data, source)  # file errors are reported against the file alone
+    env = os.environ if env is None else env
     from_env = env_overrides(env)
-    if from_env:
-        cfg = _validate(_merge(data, from_env), f"{source} + environment {sorted(from_env)}")
-    if overrides:
-        cfg = _validate(_merge(_merge(data, from_env), overrides), f"{source} + flags")
-    return cfg
+    if not from_env and not overrides:
+        return cfg
+    # the merged result is checked once (a bad variable that a flag overrides is no error),
+    # each bad field named with the variable or the flags that set it
+    by_path = {path: var for var, (path, _) in ENV_FIELDS.items() if env.get(var, "") != ""}
+    origin = {p: by_path.get(p, "KV8 / KV_TQ") for p in _paths(from_env)}
+    origin.update((p, "flags") for p in _paths(overrides or {}))
+    return _validate(_merge(_merge(data, from_env), overrides or {}),
+                     source + (" + environment" if from_env else "")
+                     + (" + flags" if overrides else ""), origin)

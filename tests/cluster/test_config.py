@@ -92,7 +92,9 @@ def test_env_tq_wins_over_kv8_with_a_warning(caplog):
     ({"KV_TQ": "four"}, "KV_TQ='four'"),
     ({"KV_TQ_POLAR": "1"}, "KV_TQ_POLAR"),
     ({"KVFLEET_SLOTS": "many"}, "KVFLEET_SLOTS='many'"),
-    ({"KVFLEET_SLOTS": "0"}, "slots"),
+    ({"KVFLEET_SLOTS": "0"}, r"slots \(from KVFLEET_SLOTS\)"),
+    ({"KVFLEET_SEED": "-1"}, r"sampling.seed \(from KVFLEET_SEED\)"),
+    ({"KVFLEET_TEMPERATURE": "inf"}, r"sampling.temperature \(from KVFLEET_TEMPERATURE\)"),
 ])
 def test_env_errors_name_the_variable(env, match):
     with pytest.raises(JobConfigError, match=match):
@@ -106,8 +108,11 @@ def test_precedence_yaml_env_flags(tmp_path):
     assert (c.kv, c.slots, c.sampling.max_tokens, c.sampling.seed) == ("tq4", 5, 11, 9)
     c = load_job_config(p, env=env, overrides={"slots": 1, "sampling": {"max_tokens": 3}})
     assert (c.kv, c.slots, c.sampling.max_tokens, c.sampling.seed) == ("tq4", 1, 3, 9)
-    with pytest.raises(JobConfigError, match="flags.*slots"):
+    with pytest.raises(JobConfigError, match=r"flags: slots \(from flags\)"):
         load_job_config(p, env=env, overrides={"slots": 0})
+    # a bad variable that a flag overrides is no error; the flag's value is the one checked
+    c = load_job_config(p, env={"KVFLEET_SLOTS": "0"}, overrides={"slots": 4})
+    assert c.slots == 4
 
 
 def test_model_from_env_is_relative_to_cwd(tmp_path, monkeypatch):
