@@ -4,6 +4,8 @@ Format: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
 data_offsets: [begin, end]}, "__metadata__": {...}}, then the data; offsets count from the
 byte after the header. We parse the header ourselves so that bf16 (which numpy lacks) reads
 as float32 and a file shorter than its header promises is reported, naming file and tensor.
+The header is checked as strictly as the reference `safetensors` library checks it: shapes and
+offsets are non-negative ints, and the tensors tile the data section with no overlap or gap.
 """
 from __future__ import annotations
 
@@ -64,24 +66,55 @@ def read_header(path: Path) -> dict[str, TensorRef]:
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: safetensors header is not a JSON object")
     refs: dict[str, TensorRef] = {}
+    spans: list[tuple[int, int, str]] = []  # (begin, end, name) in the data section
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError):
             raise WeightsError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-        if dtype not in DTYPES:
+        if not _counts(shape) or not _counts(offsets) or len(offsets) != 2:
+            raise WeightsError(f"{path}: tensor {name!r} needs shape and data_offsets [begin, end] of "
+                               f"non-negative ints, header gives shape={shape!r} data_offsets={offsets!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise WeightsError(f"{path}: tensor {name!r} has dtype {dtype!r}; supported: {sorted(DTYPES)}")
+        shape, (begin, end) = tuple(shape), offsets
         nbytes = math.prod(shape) * DTYPES[dtype][1]
-        if end - begin != nbytes or begin < 0:
+        if end - begin != nbytes:
             raise WeightsError(f"{path}: tensor {name!r} {dtype}{list(shape)} needs {nbytes} bytes, "
                                f"header gives data_offsets [{begin}, {end}]")
         if 8 + n + end > size:
             raise WeightsError(f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
                                f"{8 + n + end}, file has {size} bytes")
         refs[name] = TensorRef(path, name, dtype, shape, 8 + n + begin, nbytes)
+        spans.append((begin, end, name))
+    _check_tiling(path, sorted(spans), size - 8 - n)
     return refs
+
+
+def _counts(v) -> bool:
+    """A JSON list of non-negative ints (bools, floats and strings are not counts)."""
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """The tensors, sorted by offset, must cover the data section [0, data_len) exactly once
+    (as the reference safetensors library requires): no overlap, no gap, nothing after."""
+    pos, prev = 0, None
+    for begin, end, name in spans:
+        if begin < pos:
+            raise WeightsError(f"{path}: tensor {name!r} data_offsets [{begin}, {end}] overlap tensor "
+                               f"{prev!r}, which ends at {pos}")
+        if begin > pos:
+            after = "the start of the data" if prev is None else f"tensor {prev!r}"
+            raise WeightsError(f"{path}: tensor {name!r} starts at data offset {begin}, leaving a gap of "
+                               f"{begin - pos} bytes after {after} (at {pos})")
+        pos, prev = end, name
+    if pos != data_len:
+        last = "no tensor" if prev is None else f"the last tensor {prev!r}"
+        raise WeightsError(f"{path}: {data_len - pos} unused bytes after {last} (data section has "
+                           f"{data_len} bytes, tensors cover {pos})")
 
 
 def save_file(path: Path, tensors: dict[str, np.ndarray], dtype: str = "BF16",

@@ -6,7 +6,8 @@ kvfleet parameter keys and shapes. Routed experts are stacked: checkpoint tensor
 `layers.{i}.experts.gate` [E, I, H].
 
 Tensors the model does not use yet are recognized and logged once, never errors: the MTP
-layers `model.layers.{n >= num_hidden_layers}.*` and the DSA indexer `*.self_attn.indexer.*`.
+layers `model.layers.{n}.*` with num_hidden_layers <= n < num_hidden_layers +
+num_nextn_predict_layers, and the DSA indexer `*.self_attn.indexer.*`.
 Anything else that the table does not name is an error, as is a missing tensor or a shape
 that differs from the config's.
 """
@@ -93,11 +94,16 @@ def name_table(cfg: ModelConfig) -> dict[str, Slot]:
     return t
 
 
+def _layer(name: str) -> int | None:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return None if m is None else int(m.group(1))
+
+
 def _ignored_kind(name: str, cfg: ModelConfig) -> str | None:
     """'mtp' / 'dsa indexer' / ... for tensors recognized but not used, else None."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    if m and int(m.group(1)) >= cfg.num_hidden_layers:
-        return "mtp"
+    n = _layer(name)
+    if n is not None and n >= cfg.num_hidden_layers:  # beyond the MTP layers: unknown, never dropped
+        return "mtp" if n < cfg.num_hidden_layers + cfg.num_nextn_predict_layers else None
     if ".self_attn.indexer." in name:
         return "dsa indexer"
     if name.endswith("rotary_emb.inv_freq"):
@@ -153,6 +159,9 @@ def load_params(model_dir: str | Path, cfg: ModelConfig,
         kind = _ignored_kind(name, cfg)
         if kind is None:
             hint = " (fp8 block-scaled checkpoints are not supported)" if "scale" in name else ""
+            if (layer := _layer(name)) is not None and layer >= cfg.num_hidden_layers:
+                hint = (f" (layer {layer} is past num_hidden_layers={cfg.num_hidden_layers} + "
+                        f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} of {cfg.source})")
             raise WeightsError(f"{ref.file}: unknown tensor {name!r} {list(ref.shape)}{hint}")
         ignored[kind] = ignored.get(kind, 0) + 1
     for kind, n in ignored.items():

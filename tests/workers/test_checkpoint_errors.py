@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,8 +47,14 @@ def test_unknown_tensor_is_an_error(ckpt):
         Model.load(d)
 
 
+def _set_config(d, **fields):
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **fields}))
+
+
 def test_mtp_and_indexer_tensors_are_recognized_not_errors(ckpt, caplog):
     d, t = ckpt
+    _set_config(d, num_nextn_predict_layers=1)
     t["model.layers.3.eh_proj.weight"] = np.ones((4, 4), np.float32)  # MTP layer (layers = 3)
     t["model.layers.3.enorm.weight"] = np.ones(4, np.float32)
     t["model.layers.1.self_attn.indexer.wk.weight"] = np.ones((4, 4), np.float32)
@@ -55,6 +62,21 @@ def test_mtp_and_indexer_tensors_are_recognized_not_errors(ckpt, caplog):
     with caplog.at_level("INFO"):
         Model.load(d)
     assert "2 mtp tensors" in caplog.text and "1 dsa indexer tensors" in caplog.text
+
+
+def test_layers_past_the_config_are_unknown_not_mtp(ckpt):
+    """A checkpoint with more layers than config.json says must not load truncated."""
+    d, t = ckpt
+    _set_config(d, num_hidden_layers=2)  # the checkpoint has 3 layers, no MTP layer
+    with pytest.raises(WeightsError, match=r"unknown tensor 'model\.layers\.2\..*' .*layer 2 is past "
+                                           r"num_hidden_layers=2 \+ num_nextn_predict_layers=0 of .*config\.json"):
+        Model.load(d)
+    _set_config(d, num_hidden_layers=3, num_nextn_predict_layers=1)
+    t["model.layers.3.eh_proj.weight"] = np.ones((4, 4), np.float32)  # the one MTP layer
+    t["model.layers.4.eh_proj.weight"] = np.ones((4, 4), np.float32)  # one past it
+    save_file(d / "model.safetensors", t, "F32")
+    with pytest.raises(WeightsError, match=r"unknown tensor 'model\.layers\.4\.eh_proj\.weight' \[4, 4\]"):
+        Model.load(d)
 
 
 def test_truncated_safetensors_names_the_file(ckpt):
@@ -67,6 +89,59 @@ def test_truncated_safetensors_names_the_file(ckpt):
     f.write_bytes(data[:20])
     with pytest.raises(WeightsError, match="truncated"):
         read_header(f)
+
+
+def _raw_safetensors(path, header: dict, data: bytes):
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def _f32(shape, begin, end):
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize("header,match", [
+    ({"a": _f32([4], 0, 16), "b": _f32([2], 4, 12)}, r"tensor 'b' data_offsets \[4, 12\] overlap tensor 'a'"),
+    ({"a": _f32([2], 0, 8), "b": _f32([2], 4, 12), "c": _f32([1], 12, 16)}, r"tensor 'b' .* overlap tensor 'a'"),
+    ({"a": _f32([2], 8, 16)}, r"tensor 'a' starts at data offset 8, leaving a gap of 8 bytes"),
+    ({"a": _f32([1], 0, 4), "b": _f32([2], 8, 16)}, r"tensor 'b' .* gap of 4 bytes after tensor 'a'"),
+    ({"a": _f32([3], 0, 12)}, r"4 unused bytes after the last tensor 'a'"),
+    ({"__metadata__": {"format": "pt"}}, r"16 unused bytes after no tensor"),
+    ({"a": _f32([-2, -2], 0, 16)}, r"tensor 'a' needs shape and data_offsets .* shape=\[-2, -2\]"),
+    ({"a": _f32([4.7], 0, 16)}, r"tensor 'a' needs .* shape=\[4\.7\]"),
+    ({"a": _f32([4.0], 0, 16)}, r"tensor 'a' needs .* shape=\[4\.0\]"),
+    ({"a": _f32([True, 4], 0, 16)}, r"tensor 'a' needs .* shape=\[True, 4\]"),
+    ({"a": _f32("4", 0, 16)}, r"tensor 'a' needs .* shape='4'"),
+    ({"a": _f32([4], "0", "16")}, r"tensor 'a' needs .* data_offsets=\['0', '16'\]"),
+    ({"a": _f32([4], 0.0, 16.0)}, r"tensor 'a' needs .* data_offsets=\[0\.0, 16\.0\]"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16, 5]}},
+     r"tensor 'a' needs .* data_offsets=\[0, 16, 5\]"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": 16}}, r"tensor 'a' needs .* data_offsets=16"),
+    ({"a": _f32([4], 16, 0)}, r"tensor 'a' F32\[4\] needs 16 bytes, header gives data_offsets \[16, 0\]"),
+    ({"a": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}}, r"tensor 'a' has dtype \['F32'\]"),
+    ({"a": "oops"}, r"tensor 'a' has a malformed header entry 'oops'"),
+])
+def test_corrupt_safetensors_header_is_a_weights_error(tmp_path, header, match):
+    """What the reference safetensors library rejects is a WeightsError naming file and tensor."""
+    f = _raw_safetensors(tmp_path / "bad.safetensors", header, np.arange(4, dtype=np.float32).tobytes())
+    with pytest.raises(WeightsError, match=match) as e:
+        read_header(f)
+    assert str(e.value).startswith(f"{f}: ")
+
+
+def test_safetensors_header_in_any_order_and_empty_tensors_load(tmp_path):
+    data = np.arange(4, dtype=np.float32).tobytes()
+    header = {"b": _f32([2], 8, 16), "z": _f32([0, 3], 16, 16), "e": _f32([0], 0, 0), "a": _f32([1, 2], 0, 8)}
+    refs = read_header(_raw_safetensors(tmp_path / "ok.safetensors", header, data))
+    assert refs["a"].read().tolist() == [[0.0, 1.0]] and refs["b"].read().tolist() == [2.0, 3.0]
+    assert refs["z"].read().shape == (0, 3) and refs["e"].read().shape == (0,)
+    assert read_header(_raw_safetensors(tmp_path / "none.safetensors", {"__metadata__": {}}, b"")) == {}
+
+
+def test_shipped_model_header_is_valid():
+    refs = read_header(Path(__file__).parents[2] / "models" / "kvfleet-mini" / "model.safetensors")
+    assert "model.embed_tokens.weight" in refs
 
 
 def test_missing_shard_and_missing_weights(tiny, tmp_path):
