@@ -53,7 +53,7 @@ class RopeScaling:
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float | None = None  # None (absent) = attention factor mscale(factor), as transformers
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None  # explicit cos/sin scale; None = derived from mscale
     truncate: bool = True  # round the YaRN correction range outward to whole dims
@@ -192,7 +192,7 @@ def _rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
         original_max_position_embeddings=_int({"o": orig}, "o", f"{source} {where}.original_max_position_embeddings"),
         beta_fast=_float({"beta_fast": s.get("beta_fast", 32.0)}, "beta_fast", f"{source} {where}"),
         beta_slow=_float({"beta_slow": s.get("beta_slow", 1.0)}, "beta_slow", f"{source} {where}"),
-        mscale=_float({"mscale": s.get("mscale", 1.0)}, "mscale", f"{source} {where}", positive=False),
+        mscale=None if "mscale" not in s else _float(s, "mscale", f"{source} {where}", positive=False),
         mscale_all_dim=_float({"mscale_all_dim": s.get("mscale_all_dim", 0.0)}, "mscale_all_dim",
                               f"{source} {where}", positive=False),
         attention_factor=None if af is None else _float(s, "attention_factor", f"{source} {where}"),

@@ -44,7 +44,7 @@ def _yarn_inv_freq(dim: int, base: float, ys: RopeScaling) -> tuple[np.ndarray, 
     inv_freq = inter * (np.float32(1.0) - extra_factor) + extra * extra_factor
     if ys.attention_factor is not None:
         att = ys.attention_factor
-    elif ys.mscale and ys.mscale_all_dim:
+    elif ys.mscale and ys.mscale_all_dim:  # both set and non-zero, else plain mscale(factor)
         att = _yarn_mscale(ys.factor, ys.mscale) / _yarn_mscale(ys.factor, ys.mscale_all_dim)
     else:
         att = _yarn_mscale(ys.factor)

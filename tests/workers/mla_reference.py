@@ -66,7 +66,7 @@ def _inv_freq_and_scales(c: dict):
     def msc(m):
         return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
 
-    m, mad = ys.get("mscale", 1.0), ys.get("mscale_all_dim", 0.0)
+    m, mad = ys.get("mscale"), ys.get("mscale_all_dim", 0.0)  # no mscale: att = msc(1), as transformers
     att = msc(m) / msc(mad) if (m and mad) else msc(1.0)
     if mad:
         scale *= msc(mad) ** 2
