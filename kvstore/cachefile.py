@@ -14,8 +14,9 @@ nrec word) has been written. A crash at any moment leaves a file that loads as a
 what was appended, never a partial record.
 
 Subclasses implement the byte format: `_read` (header + the good record prefix),
-`_write_new` (a whole file), `_append` (one durable append at the current end), `_cut`
-(drop records after n, at a commit boundary the subclass chooses).
+`_write_new` (a whole file; returns the format's state for it, which `_adopt` installs only
+once the file has replaced the old one), `_append` (one durable append at the current end),
+`_cut` (drop records after n, at a commit boundary the subclass chooses).
 """
 from __future__ import annotations
 
@@ -129,10 +130,10 @@ class CacheFile:
             self._n = n
 
     def rewrite(self, recs: KVRecords) -> None:
-        """Replace the whole file, atomically, by exactly `recs` (kv convert, compaction)."""
+        """Replace the whole file, atomically, by exactly `recs` (kv convert, compaction).
+        If it fails before the rename, the file and this object are as they were."""
         self.layout.check(recs)
         self._replace(recs)
-        self._mode, self._kept, self._n, self._heal_to = "append", None, len(recs), None
 
     def length(self) -> int:
         """Records that the next append continues from."""
@@ -162,19 +163,25 @@ class CacheFile:
     def _replace(self, recs: KVRecords) -> None:
         tmp = f"{self.path}.tmp"  # one writer per file (slots.py), so a stale one is ours
         try:
-            self._write_new(tmp, recs)
+            state = self._write_new(tmp, recs)
             os.replace(tmp, self.path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        # the new file is in place: commit its state before anything else can fail
+        self._mode, self._kept, self._n, self._heal_to = "append", None, len(recs), None
+        self._adopt(state)
         fsync_dir(self.path)
 
     # ---- format -----------------------------------------------------------------------
     def _read(self) -> FileContents:
         raise NotImplementedError
 
-    def _write_new(self, path: str, recs: KVRecords) -> None:
+    def _write_new(self, path: str, recs: KVRecords) -> object:
         raise NotImplementedError
+
+    def _adopt(self, state: object) -> None:
+        """Take on `_write_new`'s state for the file that now holds exactly its records."""
 
     def _append(self, recs: KVRecords, start: int) -> None:
         raise NotImplementedError

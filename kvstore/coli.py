@@ -85,8 +85,8 @@ class ColiKVFile(CacheFile):
         return c
 
     def _heal(self) -> None:
-        fix = self._fix_nrec
-        if self._heal_to is not None and fix is not None:
+        fix = self._fix_nrec  # wrong nrec, with or without torn bytes after the last record
+        if fix is not None:
             with open(self.path, "r+b") as f:
                 f.seek(NREC_OFFSET)
                 f.write(struct.pack("<i", fix))
@@ -104,6 +104,9 @@ class ColiKVFile(CacheFile):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _adopt(self, state: None) -> None:
+        self._fix_nrec = None  # the new file's nrec is right
 
     def _append(self, recs: KVRecords, start: int) -> None:
         fd = os.open(self.path, os.O_RDWR)

@@ -27,15 +27,18 @@ Batch custom metadata (in each batch's IPC message):
     kvfleet.crc32   zlib.crc32 of: int64 start, int64 num_rows (little-endian), the token
                     column's bytes, the record column's bytes
 
-Reading keeps batches while they decode, continue the record count and match their crc;
+Reading keeps batches while they decode, have rows, continue the record count, lie in the
+file's bytes as written (not decompressed or byte-swapped elsewhere) and match their crc;
 the first one that does not (a torn write, a flipped byte) ends the good prefix, and the
-next open for writing truncates the file there (self-heal). Loaded records are strided
-views into the file's bytes (no per-record copy). pyarrow's stream writer has no
+next open for writing truncates the file there (self-heal). A schema that does not decode
+or is not native-endian is a HeaderError (clean start). Loaded records are strided views
+into the file's bytes (no per-record copy). pyarrow's stream writer has no
 "batch only" mode, so appends stream it through `_BatchSink`, which drops the schema
 message it writes first and the end-of-stream marker it writes on close.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -76,11 +79,21 @@ def parse_schema(schema: pa.Schema, path: str) -> tuple[int, int, Fingerprint, i
         fpd = json.loads(meta["kvfleet.fingerprint"])
         words = [fpd[k] for k in FIELDS]
         record_bytes = int(meta["kvfleet.record_bytes"])
-    except (KeyError, ValueError, TypeError) as e:
+    except (KeyError, ValueError, TypeError, RecursionError) as e:
         raise HeaderError(f"{path}: KV cache schema metadata unreadable ({e!r})") from None
+    try:
+        names = [f.name for f in schema]
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"{path}: KV cache column names are not UTF-8 ({e})") from None
+    # pyarrow exposes no Schema.endianness, but Schema.equals compares it and a schema rebuilt
+    # from the fields is native; _open keeps a non-native schema as written (no byte swap).
+    if not schema.equals(pa.schema(list(schema), metadata=schema.metadata)):
+        raise HeaderError(f"{path}: KV cache schema is not native-endian (a kvfleet writer "
+                          f"never writes that: corrupt header)")
     fp = Fingerprint.from_words(words, path)
-    ok = (record_bytes > 4 and [f.name for f in schema] == ["token", "record"]
-          and schema.field(0).type == pa.int32() and schema.field(1).type == pa.binary(record_bytes - 4))
+    rtype = schema.field(1).type if len(names) == 2 else None
+    ok = (record_bytes > 4 and names == ["token", "record"] and schema.field(0).type == pa.int32()
+          and pa.types.is_fixed_size_binary(rtype) and rtype.byte_width == record_bytes - 4)
     if not ok:
         raise HeaderError(f"{path}: KV cache columns {schema.types} do not match "
                           f"record_bytes={record_bytes}")
@@ -94,8 +107,8 @@ def read_header(path: str) -> tuple[int, int, Fingerprint, int]:
 
 
 def _open(src, path: str) -> ipc.RecordBatchStreamReader:
-    try:
-        return ipc.open_stream(src)
+    try:  # not native-endian: keep the buffers in place for parse_schema to reject
+        return ipc.open_stream(src, options=ipc.IpcReadOptions(ensure_native_endian=False))
     except (pa.ArrowException, OSError) as e:
         raise HeaderError(f"{path}: not an Arrow IPC stream KV cache ({e})") from None
 
@@ -181,18 +194,23 @@ class ArrowKVFile(CacheFile):
                       f"{': ' + why if why else ''}); kept {n} records")
         return c
 
-    def _write_new(self, path: str, recs: KVRecords) -> None:
+    def _write_new(self, path: str, recs: KVRecords) -> list[tuple[int, int]]:
+        """Write a whole file; returns its commit bounds (for `_adopt`, once it is in place)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             head = self._schema_message
             write_all(fd, head)
-            self._bounds = [(0, len(head))]
+            bounds = [(0, len(head))]
             if len(recs):
                 size = self._write_batch(fd, recs, 0)
-                self._bounds.append((len(recs), len(head) + size))
+                bounds.append((len(recs), len(head) + size))
             os.fsync(fd)
         finally:
             os.close(fd)
+        return bounds
+
+    def _adopt(self, bounds: list[tuple[int, int]]) -> None:
+        self._bounds = bounds
 
     def _append(self, recs: KVRecords, start: int) -> None:
         end = self._bounds[-1][1]
@@ -209,11 +227,14 @@ class ArrowKVFile(CacheFile):
         keep = max(i for i, (recs, _) in enumerate(self._bounds) if recs <= n)
         recs_at, byte_at = self._bounds[keep]
         tail = self._read().records.slice(recs_at, n) if recs_at < n else None  # part of a batch
+        if tail is not None and len(tail) != n - recs_at:
+            raise OSError(errno.EIO, f"{self.path}: records {recs_at}..{n} read back short "
+                                     f"({len(tail)}): the file changed since it was loaded")
         with open(self.path, "r+b") as f:
             f.truncate(byte_at)
             os.fsync(f.fileno())
-        self._bounds = self._bounds[:keep + 1]
-        if tail is not None:
+        self._bounds, self._n = self._bounds[:keep + 1], recs_at  # the file as it is now
+        if tail is not None:  # if this fails, the file and the state hold recs_at records
             self._append(tail, recs_at)
 
 
@@ -230,23 +251,26 @@ def _check_batch(batch, meta, n: int, rec: int, data: np.ndarray):
     if tok.null_count or col.null_count or col.type.byte_width != rec - 4:
         return None, None, "batch with nulls or wrong record width"
     rows, (tbuf, pbuf) = batch.num_rows, (tok.buffers()[1], col.buffers()[1])
+    if rows == 0:
+        return None, None, "empty batch (kvfleet never writes one)"
     if (tbuf is None or pbuf is None or tbuf.size < (tok.offset + rows) * 4
             or pbuf.size < (col.offset + rows) * (rec - 4)):
         return None, None, "batch buffers shorter than its row count"
-    tokens = _inside(data, tbuf.address + tok.offset * 4, rows * 4).view(np.int32)
+    tokens = _inside(data, tbuf.address + tok.offset * 4, rows * 4)
     payload = _inside(data, pbuf.address + col.offset * (rec - 4), rows * (rec - 4))
+    if tokens is None or payload is None:  # e.g. a compressed body, decoded into new memory
+        return None, None, "batch buffers outside the file data"
+    tokens = tokens.view(np.int32)
     if batch_crc(start, tokens, payload) != crc:
         return None, None, "checksum mismatch"
     return tokens, payload, None
 
 
-def _inside(data: np.ndarray, address: int, nbytes: int) -> np.ndarray:
+def _inside(data: np.ndarray, address: int, nbytes: int) -> np.ndarray | None:
     """The writable slice of `data` at a pyarrow buffer address (zero-copy reads point into
-    the buffer the reader was given)."""
+    the buffer the reader was given), or None if the buffer is not inside `data`."""
     off = address - data.ctypes.data
-    if not 0 <= off <= data.size - nbytes:
-        raise RuntimeError(f"Arrow buffer at {address:#x} (+{nbytes}) is outside the file data")
-    return data[off:off + nbytes]
+    return data[off:off + nbytes] if 0 <= off <= data.size - nbytes else None
 
 
 class _BatchSink:

@@ -35,7 +35,7 @@ class Fingerprint:
 
     def __post_init__(self) -> None:
         for name, v in zip(FIELDS, astuple(self)):
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"KV fingerprint: {name}={v!r} must be a non-negative int")
         for name in ("n_layers", "kv_lora", "rope"):
             if getattr(self, name) == 0:
@@ -55,9 +55,11 @@ class Fingerprint:
 
     @classmethod
     def from_words(cls, words, source: str) -> "Fingerprint":
-        """From header words h[0..5]; a bad value is a HeaderError naming `source`."""
+        """From header words h[0..5]; a bad value (also a float, bool or string: no int()
+        here, it would turn 2.9 into 2) is a HeaderError naming `source` and the field."""
+        words = list(words)
         try:
-            return cls(*(int(w) for w in words))
+            return cls(*words)
         except (ValueError, TypeError) as e:
             raise HeaderError(f"{source}: impossible header numbers {list(words)} ({e})") from None
 

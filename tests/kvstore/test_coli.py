@@ -190,3 +190,31 @@ def test_nan_code_scan_matches_plain_check(width, offset):
     want = np.equal(v & 0x7F, 0x7F).any(axis=-1)
     assert 0 < want.sum() < want.size
     np.testing.assert_array_equal(_has_nan_code(v), want)
+
+
+@pytest.mark.parametrize("claimed", [9, 2**31 - 1])
+def test_wrong_nrec_on_a_record_boundary_is_rewritten(tmp_path, claimed):
+    # nrec says more records than the file holds, and the file ends on a record boundary
+    # (a copy cut between records): no torn bytes, but the commit word is still wrong.
+    p = tmp_path / "c.coli_kv"
+    recs = records(SMALL, "kv8", 5, seed=12)
+    overwrite(p, reference_bytes(SMALL, "kv8", recs, nrec=claimed))
+    f = ColiKVFile(p, SMALL, "kv8")
+    assert same(f.load(), recs) and f"header says {claimed} records but only 5" in f.message
+    f.append(recs.slice(0, 0))  # nothing new: what a worker's release does for a healed file
+    assert p.read_bytes() == reference_bytes(SMALL, "kv8", recs)
+    g = ColiKVFile(p, SMALL, "kv8")
+    assert same(g.load(), recs) and g.message is None
+
+
+@pytest.mark.parametrize("file_tier", ["f32", "tq4"])  # upgraded / rejected, then rewritten
+def test_rewrite_forgets_the_old_files_nrec_fix(tmp_path, file_tier):
+    p = tmp_path / "c.coli_kv"
+    old = records(SMALL, file_tier, 3, seed=13)
+    overwrite(p, reference_bytes(SMALL, file_tier, old, nrec=7))
+    f = ColiKVFile(p, SMALL, "kv8")
+    f.load()
+    new = records(SMALL, "kv8", 6, seed=14)
+    f.append(new, start=0)  # the rewrite
+    f.append(new.slice(0, 0))  # must not write the old file's record count into the new one
+    assert p.read_bytes() == reference_bytes(SMALL, "kv8", new)

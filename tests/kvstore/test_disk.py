@@ -256,3 +256,188 @@ def test_schema_record_bytes_must_match_the_fingerprint(tmp_path):
     p.write_bytes(schema.serialize().to_pybytes())  # a stream holding only the schema
     f = ArrowKVFile(p, FP, "kv8")
     assert len(f.load()) == 0 and "kvfleet.record_bytes=1000" in f.message
+
+
+def _assert_clean_start_then_replaced(p, words):
+    """load starts clean with a message naming the file; the next save replaces the file."""
+    f = ArrowKVFile(p, SMALL, "kv8")
+    assert len(f.load()) == 0
+    assert str(p) in f.message and words in f.message and "starting clean" in f.message, f.message
+    new = records(SMALL, "kv8", 4, seed=21)
+    f.append(new)
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), new) and g.message is None
+
+
+def test_non_native_endian_schema_starts_clean(tmp_path):
+    # Find the one-byte change of the schema message that makes it big-endian: pyarrow's
+    # default reader then byte-swaps every buffer into new memory (the tokens come back
+    # swapped), which load once raised as a RuntimeError.
+    p = tmp_path / "c.arrow"
+    parts, bounds, data = _three_batches(p, SMALL, "kv8")
+    want = parts[0].tokens.byteswap()
+    for i in range(8, bounds[0][1]):
+        for v in (0x01, 0x08, 0x80):
+            bad = bytearray(data)
+            bad[i] = v
+            try:
+                tok = ipc.open_stream(pa.py_buffer(bytes(bad))).read_next_batch().column(0)
+            except (pa.ArrowException, OSError):
+                continue
+            if np.array_equal(tok.to_numpy(), want):
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no one-byte change makes the schema big-endian")
+    overwrite(p, bytes(bad))
+    _assert_clean_start_then_replaced(p, "not native-endian")
+
+
+def test_non_utf8_column_name_starts_clean(tmp_path):
+    p = tmp_path / "c.arrow"
+    _, _, data = _three_batches(p, SMALL, "kv8")
+    bad = bytearray(data)
+    i = bad.find(b"record", bad.find(b"kvfleet.record_bytes") + 20)  # the column name
+    bad[i] = 0xE0
+    overwrite(p, bytes(bad))
+    _assert_clean_start_then_replaced(p, "column names are not UTF-8")
+
+
+def test_record_bytes_too_large_for_arrow_starts_clean(tmp_path):
+    p = tmp_path / "c.arrow"
+    f = ArrowKVFile(p, SMALL, "kv8")
+    meta = dict(f.schema.metadata)
+    meta[b"kvfleet.record_bytes"] = b"99999999999"  # pa.binary(n) would raise OverflowError
+    p.write_bytes(f.schema.with_metadata(meta).serialize().to_pybytes())
+    _assert_clean_start_then_replaced(p, "do not match record_bytes=99999999999")
+
+
+def test_empty_or_foreign_memory_batch_is_cut(tmp_path):
+    from kvstore.disk import batch_crc
+    p = tmp_path / "c.arrow"
+    parts, bounds, data = _three_batches(p, SMALL, "kv8")
+    good = KVRecords.concat(parts[:2])
+    f = ArrowKVFile(p, SMALL, "kv8")
+    f.load()
+    # A zero-row batch with the right start and crc (its buffers have address 0), then a
+    # good batch after it: the file's good prefix ends at the empty batch.
+    overwrite(p, data[:bounds[2][1]])
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        f._write_batch(fd, f.layout.allocate(0), 5)
+        f._write_batch(fd, parts[2], 5)
+    finally:
+        os.close(fd)
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), good) and "empty batch" in g.message and str(p) in g.message
+    extra = records(SMALL, "kv8", 3, seed=22)
+    g.append(extra)
+    assert same(ArrowKVFile(p, SMALL, "kv8").load(), KVRecords.concat([good, extra]))
+    # A compressed batch (a foreign writer) decodes into new memory, not into the file.
+    rec = parts[0]
+    payload = f.layout.pack(rec, with_token=False)
+    width = f.layout.record_bytes - 4
+    tok = pa.Array.from_buffers(pa.int32(), len(rec), [None, pa.py_buffer(rec.tokens.copy())])
+    col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rec), [None, pa.py_buffer(payload)])
+    batch = pa.RecordBatch.from_arrays([tok, col], schema=f.schema)
+    meta = {"kvfleet.start": "0", "kvfleet.crc32": str(batch_crc(0, rec.tokens, payload))}
+    with pa.OSFile(str(p), "wb") as sink, ipc.new_stream(
+            sink, f.schema, options=ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_batch(batch, custom_metadata=meta)
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert len(g.load()) == 0 and "outside the file data" in g.message
+    g.append(extra)
+    assert same(ArrowKVFile(p, SMALL, "kv8").load(), extra)
+
+
+@pytest.mark.parametrize("where", ["batch", "rename", "dir-fsync"])
+def test_failed_rewrite_keeps_file_and_state(tmp_path, monkeypatch, where):
+    import errno
+    import kvstore.cachefile
+    p = tmp_path / "c.arrow"
+    old = records(SMALL, "kv8", 5, seed=31)
+    f = ArrowKVFile(p, SMALL, "kv8")
+    f.load()
+    f.append(old)
+    new = records(SMALL, "kv8", 8, seed=32)  # e.g. a compaction that runs out of space
+
+    def enospc(*_):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+    target = {"batch": (ArrowKVFile, "_write_batch"), "rename": (os, "replace"),
+              "dir-fsync": (kvstore.cachefile, "fsync_dir")}[where]
+    monkeypatch.setattr(*target, enospc)
+    with pytest.raises(OSError, match="simulated"):
+        f.rewrite(new)
+    monkeypatch.undo()
+    assert not (tmp_path / "c.arrow.tmp").exists()
+    kept = new if where == "dir-fsync" else old  # after the rename the new file is the file
+    assert same(ArrowKVFile(p, SMALL, "kv8").load(), kept) and f.length() == len(kept)
+    more = records(SMALL, "kv8", 2, seed=33)
+    assert f.append(more) == len(kept) + 2
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), KVRecords.concat([kept, more])) and g.message is None
+
+
+@pytest.mark.parametrize("op", ["append", "truncate"])
+def test_failed_cut_reappend_leaves_file_and_state_at_the_batch_start(tmp_path, monkeypatch, op):
+    import errno
+    p = tmp_path / "c.arrow"
+    full = save(p, SMALL, "kv8", [records(SMALL, "kv8", 6, seed=41),
+                                  records(SMALL, "kv8", 5, seed=42)])
+    f = ArrowKVFile(p, SMALL, "kv8")
+    f.load()
+    new = records(SMALL, "kv8", 2, seed=43)
+
+    def enospc(*_):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+    monkeypatch.setattr(ArrowKVFile, "_write_batch", enospc)  # the partial tail's re-append
+    with pytest.raises(OSError, match="simulated"):
+        f.append(new, start=8) if op == "append" else f.truncate(8)  # inside the 2nd batch
+    monkeypatch.undo()
+    assert f.length() == 6  # the file was cut at the batch start; the object says so
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), full.slice(0, 6)) and g.message is None
+    with pytest.raises(ValueError, match=rf"{p}: append at record start=8 leaves a gap"):
+        f.append(new, start=8)  # a blind retry cannot write a batch that does not follow
+    assert f.append(KVRecords.concat([full.slice(6, 8), new]), start=6) == 10
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), KVRecords.concat([full.slice(0, 8), new])) and g.message is None
+    assert [b - a for (a, _), (b, _) in zip(g._bounds, g._bounds[1:])] == [6, 4]  # no empty batch
+
+
+def test_cut_never_appends_an_empty_tail(tmp_path):
+    # The file lost its last batch behind the writer's back (a restored backup, bit rot
+    # cut by another reader): the partial tail to keep is no longer there to re-append.
+    p = tmp_path / "c.arrow"
+    full = save(p, SMALL, "kv8", [records(SMALL, "kv8", 6, seed=44),
+                                  records(SMALL, "kv8", 5, seed=45)])
+    f = ArrowKVFile(p, SMALL, "kv8")
+    f.load()
+    data = p.read_bytes()
+    overwrite(p, data[:f._bounds[1][1]])
+    with pytest.raises(OSError, match=rf"{p}: records 6..8 read back short \(0\)"):
+        f.truncate(8)
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), full.slice(0, 6)) and g.message is None  # nothing cut, no 0-row batch
+
+
+@pytest.mark.parametrize("field,value", [("n_layers", 2.9), ("kv_lora", 32.0), ("index_hd", False),
+                                         ("rope", True), ("vocab", "50"), ("n_indexer_layers", None),
+                                         ("n_layers", [2]), ("vocab", float("inf"))])
+def test_fingerprint_values_must_be_ints(tmp_path, field, value):
+    import json
+    from kvstore.fingerprint import FIELDS, HeaderError
+    p = tmp_path / "c.arrow"
+    f = ArrowKVFile(p, SMALL, "kv8")
+    words = dict(zip(FIELDS, SMALL.words()))
+    words[field] = value  # int(value) would pass for all but the last two
+    meta = dict(f.schema.metadata)
+    meta[b"kvfleet.fingerprint"] = json.dumps(words).encode()
+    f.__dict__["schema"] = f.schema.with_metadata(meta)  # a foreign writer's schema
+    f.load()
+    f.append(records(SMALL, "kv8", 3, seed=51))
+    _assert_clean_start_then_replaced(p, f"{field}={value!r} must be a non-negative int")
+    with pytest.raises(HeaderError, match=rf"src: impossible header numbers .*{field}="):
+        Fingerprint.from_words(list(words.values()), "src")
