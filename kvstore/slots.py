@@ -6,12 +6,14 @@
         ...
         f.append(new_records)
 
-A slot name becomes a file name by `slot_filename`: characters outside [A-Za-z0-9._-] turn
-into "_", leading dots are dropped, long names are cut, and whenever the name had to change
-a short hash of the original is appended, so two different names never share a file and no
-name can leave the directory. Each file is guarded by an exclusive `fcntl.flock` on a
-sidecar "<file>.lock" (not on the data file, which an atomic rewrite replaces); a second
-writer, in this process or another, gets SlotBusyError naming the file and the holder's pid.
+A slot name becomes a file name by `slot_filename`: a clean name (only [A-Za-z0-9._-], no
+leading dot, at most MAX_STEM characters) is kept as is; any other name has the characters
+outside that set turned into "_" and its leading dots dropped, is cut to MAX_STEM, and gets
+"~" and 80 bits of the sha256 of the original appended. No clean name contains "~", so two
+different names never share a file, and no name can leave the directory. Each file is
+guarded by an exclusive `fcntl.flock` on a sidecar "<file>.lock" (not on the data file,
+which an atomic rewrite replaces); a second writer, in this process or another, gets
+SlotBusyError naming the file and the holder's pid.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from kvstore.fingerprint import Fingerprint
 
 FORMATS: dict[str, type[CacheFile]] = {"arrow": ArrowKVFile, "coli": ColiKVFile}
 MAX_STEM = 80
+# The hashed form before "~": stem-sha1[:10]. A clean name of that form may be the old file
+# of another (unclean) name, so it is hashed too.
+_OLD_HASHED = re.compile(r"-[0-9a-f]{10}\Z")
 
 
 class SlotBusyError(RuntimeError):
@@ -36,12 +41,12 @@ class SlotBusyError(RuntimeError):
 
 
 def slot_filename(name: str, suffix: str) -> str:
-    """A safe, collision-free file name for slot `name`."""
+    """A safe, collision-free file name for slot `name` (see the module docstring)."""
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:MAX_STEM]
-    if stem != name or not stem:
-        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
-        stem = f"{stem or 'slot'}-{digest}"
-    return stem + suffix
+    if stem == name and stem and not _OLD_HASHED.search(name):
+        return name + suffix
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+    return f"{stem or 'slot'}~{digest}{suffix}"
 
 
 class SlotLock:

@@ -1,7 +1,9 @@
 """Slot files: safe collision-free names, one writer per file (flock), lock survives rewrites."""
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import subprocess
 import sys
 
@@ -23,6 +25,42 @@ def test_names_are_safe_and_distinct(tmp_path):
     s = SlotFiles(tmp_path / "cache", FP, "kv8")
     for n in names:
         assert os.path.dirname(s.path(n)) == str(tmp_path / "cache")
+
+
+def test_no_name_spells_another_names_file(tmp_path):
+    # A clean name that spells out another name's file stem (its cleaned stem + digest)
+    # once mapped onto that file and read the other name's saved KV.
+    rng = random.Random(5)
+    alphabet = "ab_-.~/\\0f9é\0 " + "0123456789abcdef" * 2
+    names = {"user/42", "user_42", "", ".", "x" * 300, "x" * 300 + "/"}
+    names |= {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14))) for _ in range(3000)}
+    for suffix in (".arrow", ".coli_kv"):
+        pool = set(names)
+        for _ in range(2):  # each name's file stem is a name too, and so on
+            pool |= {slot_filename(n, suffix)[:-len(suffix)] for n in pool}
+        files = {}
+        for n in pool:
+            f = slot_filename(n, suffix)
+            assert files.setdefault(f, n) == n, (n, files[f], f)
+    # The hashed form of earlier releases (stem-sha1[:10]): such a file may hold the KV of
+    # "user/42", so the clean name that spells it gets a file of its own.
+    old = "user_42-" + hashlib.sha1(b"user/42").hexdigest()[:10]
+    assert slot_filename(old, ".arrow") != old + ".arrow"
+    s = SlotFiles(tmp_path, FP, "kv8")
+    with s.open("user/42") as f:
+        f.load()
+        f.append(records(FP, "kv8", 5))
+    stem = os.path.basename(s.path("user/42"))[:-len(".arrow")]
+    for other in (stem, old):
+        with s.open(other) as f:
+            assert len(f.load()) == 0 and f.message is None, other
+
+
+def test_clean_names_keep_their_file():
+    uuid = "3f2a9b1c-0d4e-4a5b-8c7d-1234567890ab"
+    for n in ["chat-1", "a_b", "A.B-c", "x" * 80, uuid, "req-" + uuid.replace("-", ""),
+              "job-12345678901", "conv-abcdef012"]:
+        assert slot_filename(n, ".arrow") == n + ".arrow"
 
 
 def test_second_writer_refused_then_allowed(tmp_path):
