@@ -89,6 +89,8 @@ class KVPool:
     def truncate(self, slot: int, n: int) -> None:
         """Keep the first n tokens of a slot; blocks past them go back to the free list."""
         self._check_slot(slot)
+        if n < 0:
+            raise ValueError(f"slot {slot}: truncate to {n=} tokens, must be >= 0")
         keep = math.ceil(n / self.block_size)
         row = self.block_tables[slot]
         for b in row[keep:][row[keep:] >= 0][::-1]:
@@ -99,6 +101,17 @@ class KVPool:
     def _check_slot(self, slot: int) -> None:
         if not (0 <= slot < self.max_slots and self._used[slot]):
             raise KeyError(f"slot {slot} is not allocated")
+
+    def _span(self, slot: int, start: int, end: int | None) -> np.ndarray:
+        """Positions [start, end) of a slot's written tokens (end None: its length); past
+        the length the block table holds -1, which would index another slot's block."""
+        self._check_slot(slot)
+        n = self.length(slot)
+        end = n if end is None else end
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"slot {slot}: rows [{start}, {end}) are outside its {n} "
+                             f"written tokens")
+        return np.arange(start, end)
 
     def _ensure(self, slot: int, n_tokens: int) -> None:
         need = math.ceil(n_tokens / self.block_size)
@@ -117,6 +130,11 @@ class KVPool:
         """(block id, offset) of each (slot, position), allocating blocks as needed."""
         slots = np.asarray(slots, np.int64)
         positions = np.asarray(positions, np.int64)
+        if positions.size and positions.min() < 0:
+            bad = int(np.argmin(positions))
+            slot = int(np.broadcast_to(slots, positions.shape).flat[bad])
+            raise ValueError(f"slot {slot}: write at position {int(positions.flat[bad])}, "
+                             f"positions must be >= 0")
         for s in np.unique(slots):
             self._check_slot(int(s))
             self._ensure(int(s), int(positions[slots == s].max()) + 1)
@@ -144,9 +162,7 @@ class KVPool:
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot: (l_codes, l_scale, r_codes, r_scale)."""
-        self._check_slot(slot)
-        end = self.length(slot) if end is None else end
-        pos = np.arange(start, end)
+        pos = self._span(slot, start, end)
         blk = self.block_tables[slot, pos // self.block_size]
         off = pos % self.block_size
         p = self.planes[layer]

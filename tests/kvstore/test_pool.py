@@ -100,3 +100,30 @@ def test_for_model_sizes_from_tier_table():
         pool = KVPool.for_model(Cfg, name, slots=2, max_ctx=100)
         assert pool.capacity_tokens == 112
         assert pool.bytes_capacity() == 2 * 112 * 3 * tier.token_bytes(512, 64)
+
+
+def test_out_of_range_rows_never_touch_another_slot():
+    from kvstore.prefix import from_pool
+    pool = _pool(tier="kv8", slots=3, blocks=12, bs=4)
+    rng = np.random.default_rng(7)
+    a, b = pool.alloc_slot(), pool.alloc_slot()
+    for s in (a, b):  # hostile rows: NaN, Inf and huge values, interleaved blocks
+        pool.write(0, np.full(12, s), rng.permutation(12), rng.standard_normal((12, DL)) * 1e30,
+                   np.where(rng.random((12, DR)) < 0.1, np.nan, 1.0))
+    pool.truncate(a, 3)  # a keeps one block, length 3; the rest of its table is -1
+    b_rows = [x.copy() for x in pool.read_rows(b, 0)]
+    for start, end in [(0, 4), (0, 12), (2, 5), (-1, 2), (3, 2), (13, 14)]:
+        with pytest.raises(ValueError, match=rf"slot {a}: rows \[{start}, {end}\) are outside its 3"):
+            pool.read_rows(a, 0, start, end)
+    with pytest.raises(ValueError, match=rf"slot {a}: rows \[0, 8\)"):
+        from_pool(pool, a, np.arange(8, dtype=np.int32), end=8)
+    for pos in ([-1], [0, 1, -5]):
+        with pytest.raises(ValueError, match=rf"slot {a}: write at position {min(pos)}"):
+            n = len(pos)
+            pool.write(0, [a] * n, pos, np.full((n, DL), -99.0), np.full((n, DR), -99.0))
+    with pytest.raises(ValueError, match=rf"slot {b}: truncate to n=-3"):
+        pool.truncate(b, -3)
+    assert pool.length(a) == 3 and pool.length(b) == 12 and (pool.block_tables[b] >= 0).sum() == 3
+    for x, y in zip(b_rows, pool.read_rows(b, 0)):
+        assert x.tobytes() == y.tobytes()  # slot b is untouched
+    assert len(pool.read_rows(a, 0, 3, 3)[0]) == 0 and len(pool.read_rows(a, 0)[0]) == 3
