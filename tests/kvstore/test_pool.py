@@ -127,3 +127,15 @@ def test_out_of_range_rows_never_touch_another_slot():
     for x, y in zip(b_rows, pool.read_rows(b, 0)):
         assert x.tobytes() == y.tobytes()  # slot b is untouched
     assert len(pool.read_rows(a, 0, 3, 3)[0]) == 0 and len(pool.read_rows(a, 0)[0]) == 3
+
+
+@pytest.mark.parametrize("tier", ["tq4", "polar3"])
+def test_rotated_tiers_refuse_widths_the_rotation_cannot_take(tier):
+    """(such rows were stored as inert zeros: the pool attended to nothing, counted nowhere)"""
+    with pytest.raises(ValueError, match=rf"tier {tier} .*kv_lora_rank 384 and qk_rope_head_dim 64"):
+        KVPool(2, 384, 64, tier, n_blocks=4)
+    with pytest.raises(ValueError, match="qk_rope_head_dim 48"):
+        KVPool(2, 512, 48, tier, n_blocks=4)
+    for ok in ("f32", "kv8"):
+        KVPool(2, 384, 48, ok, n_blocks=4)
+    KVPool(2, 512, 64, tier, n_blocks=4)
