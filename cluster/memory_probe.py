@@ -12,6 +12,7 @@ in GB (or `kvfleet plan --free-gb DEVICE=GB`).
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -40,11 +41,26 @@ def _cuda_free(index: int) -> int:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         raise ProbeError(f"cuda device {index}: neither cupy nor nvidia-smi is available to read free memory")
-    out = subprocess.run([smi, f"--id={index}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+    out = subprocess.run([smi, f"--id={smi_id(index)}", "--query-gpu=memory.free",
+                          "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0 or not out.stdout.strip().isdigit():
         raise ProbeError(f"cuda device {index}: nvidia-smi failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
     return int(out.stdout.strip()) * 2**20  # MiB
+
+
+def smi_id(index: int, env: dict[str, str] | None = None) -> str:
+    """nvidia-smi's --id for CUDA device `index` as CuPy numbers it: nvidia-smi ignores
+    CUDA_VISIBLE_DEVICES, so a logical index goes through that list (entries are physical
+    indices or GPU UUIDs; nvidia-smi takes either)."""
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if not 0 <= index < len(ids):
+        raise ProbeError(f"cuda device {index}: CUDA_VISIBLE_DEVICES={visible!r} shows "
+                         f"{len(ids)} device(s)")
+    return ids[index]
 
 
 def host_available() -> int:

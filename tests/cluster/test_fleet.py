@@ -157,3 +157,13 @@ def test_failed_probe_names_fleet_file_and_device(tmp_path, monkeypatch, capsys)
     assert main(["plan", "--config", str(fleet), "--model-config", str(card)]) == 2
     err = capsys.readouterr().err
     assert f"kvfleet plan: error: {fleet}: nodes.1.memory:" in err and "device gpu-box/cuda0" in err
+
+
+def test_nvidia_smi_id_follows_cuda_visible_devices():
+    """nvidia-smi numbers GPUs physically; CuPy (and the fleet's device index) logically."""
+    from cluster import memory_probe
+    assert memory_probe.smi_id(1, {}) == "1"
+    assert memory_probe.smi_id(0, {"CUDA_VISIBLE_DEVICES": "2,3"}) == "2"
+    assert memory_probe.smi_id(1, {"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}) == "GPU-bb"
+    with pytest.raises(memory_probe.ProbeError, match="CUDA_VISIBLE_DEVICES='3' shows 1 device"):
+        memory_probe.smi_id(1, {"CUDA_VISIBLE_DEVICES": "3"})
