@@ -127,6 +127,9 @@ class Scheduler:
             wall = self.clock() - t_iter
             self._account(outs, wall, wall - (t1 - t0), n_tok, n_prompt)
         self._flush_releases()
+        # the gauges say what is in flight now (nothing), not what the last step had
+        self.metrics.queue(len(waiting), 0)
+        self.metrics.step(0, 0.0)
         return self.stats
 
     # -- failures -----------------------------------------------------------------------
@@ -329,6 +332,7 @@ class Scheduler:
                 for k, n in o.cache_events.items():  # the last sequences' KV saves
                     self.stats.kv_cache[k] = self.stats.kv_cache.get(k, 0) + n
                     self.metrics.kv_cache(k, n)
+                self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
         self._release = [[] for _ in self.group.names]
 
 

@@ -125,6 +125,10 @@ def test_metrics_and_stats_are_recorded():
     n = sum(r.completion_token_count + (r.finish_reason == "stop") for r in res.values())
     assert m.local["tokens_generated"] == stats.tokens == n
     assert m.local["ttft_count"] == 5 and m.local["queue_depth"] == 0
+    # after the run the gauges show nothing in flight (they kept the last step's values)
+    assert m.local["active_slots"] == 0 and m.local["decode_tokens_per_s"] == 0
+    kv = {k: v for k, v in m.local.items() if k.startswith("kv_bytes_in_use")}
+    assert kv and all(v == 0 for v in kv.values()), kv
     assert stats.overhead_per_decode_step_s >= 0
     assert all(r.ttft_s is not None and r.ttft_s >= 0 for r in res.values())
 
