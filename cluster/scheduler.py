@@ -100,6 +100,7 @@ class Scheduler:
         self._next_key = 0
         self._release: list[list[int]] = [[] for _ in group.names]
         self._dead: set[int] = set()
+        self._ttft_lines: set[int] = set()  # requests whose first token the histogram has
 
     def run(self, items: Iterable[Prepared], on_result: Callable[[Result], None],
             should_stop: Callable[[], bool] = lambda: False) -> SchedulerStats:
@@ -254,7 +255,9 @@ class Scheduler:
                 n_tok += 1
                 if s.t_first is None:
                     s.t_first = now
-                    self.metrics.ttft(now - s.t_admit)
+                    if s.item.req.line not in self._ttft_lines:  # once, not again when re-run
+                        self._ttft_lines.add(s.item.req.line)
+                        self.metrics.ttft(now - s.t_admit)
                 s.t_last = now
                 reason = self._finish_reason(s, int(tok))
                 if reason is not None:

@@ -240,6 +240,18 @@ def test_dead_worker_requests_rerun_elsewhere_with_same_tokens(temperature):
     assert late and all(r.worker == "w0" for r in late)  # nothing admitted to the dead one
 
 
+def test_rerun_requests_count_one_first_token_each():
+    """The victim dies after its sequences sampled tokens: their re-run elsewhere samples a
+    first token again, which the TTFT histogram must not count twice."""
+    items = [prep(i, p, seed=i) for i, p in enumerate(prompts())]
+    group = FailingGroup(make_group([3, 3]).workers, victim=1, at=12, dies=True)
+    m = JobMetrics(use_ray=False)
+    results = []
+    Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+              tier="f32", metrics=m).run(items, results.append)
+    assert len(results) == 16 and m.local["ttft_count"] == 16
+
+
 def test_failed_step_fails_only_that_workers_sequences():
     items = [prep(i, p) for i, p in enumerate(prompts())]
     ref, _ = run(make_group([8]), items)
