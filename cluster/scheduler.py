@@ -99,6 +99,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._next_key = 0
         self._release: list[list[int]] = [[] for _ in group.names]
+        self._discard: set[int] = set()  # released keys of failed sequences: KV not saved
         self._dead: set[int] = set()
         self._ttft_lines: set[int] = set()  # requests whose first token the histogram has
 
@@ -158,9 +159,10 @@ class Scheduler:
             else:
                 log.error("worker %s: step failed for %d sequences: %r", self.group.names[w],
                           len(mine), exc)
-                for s in mine:
+                for s in mine:  # (a failed request leaves its saved conversation whole)
                     on_result(self._result(s, "error", f"worker step failed: {exc!r}"))
                     self._release[w].append(s.key)
+                    self._discard.add(s.key)
         if len(self._dead) == len(self.group.names):
             log.error("every worker is dead; %d requests fail", len(waiting))
             while waiting:
@@ -228,7 +230,8 @@ class Scheduler:
                 top_p=np.array([s.item.top_p for s in seqs], np.float32),
                 seed=np.array([s.item.seed for s in seqs], np.uint64),
                 counter=np.array([len(s.out) for s in seqs], np.uint64),
-                release=tuple(self._release[w]), attach=attach.get(w, {}))
+                release=tuple(self._release[w]), discard=self._discarded(w),
+                attach=attach.get(w, {}))
             self._release[w] = []
         return batches, sampled, n_prompt
 
@@ -320,12 +323,16 @@ class Scheduler:
             for path, n in o.fallbacks.items():
                 self.metrics.fallback(path, n)
 
+    def _discarded(self, w: int) -> tuple[int, ...]:
+        return tuple(k for k in self._release[w] if k in self._discard)
+
     def _flush_releases(self) -> None:
         empty = np.zeros(0, np.int32)
         batches = {w: StepBatch(keys=np.zeros(0, np.int64), tokens=empty, positions=empty,
                                 sample_at=empty, temperature=np.zeros(0, np.float32),
                                 top_p=np.zeros(0, np.float32), seed=np.zeros(0, np.uint64),
-                                counter=np.zeros(0, np.uint64), release=tuple(keys))
+                                counter=np.zeros(0, np.uint64), release=tuple(keys),
+                                discard=self._discarded(w))
                    for w, keys in enumerate(self._release) if keys and w not in self._dead}
         if batches:
             for w, o in self.group.step_all(batches).items():

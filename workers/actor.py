@@ -48,6 +48,7 @@ class StepBatch:
     seed: np.ndarray  # uint64[M]
     counter: np.ndarray  # uint64[M] index of the token being chosen within its sequence
     release: tuple[int, ...] = ()  # keys whose slots are freed before this step
+    discard: tuple[int, ...] = ()  # of them, keys of failed sequences: KV not saved
     # key -> (cache name, int32 prompt ids): resume the sequence from its saved KV before
     # this step, which carries its first prompt chunk (workers/persist.py)
     attach: dict[int, tuple[str, np.ndarray]] = field(default_factory=dict)
@@ -104,7 +105,8 @@ class Worker:
         for key in batch.release:  # a key whose first step failed before it got a slot
             slot = self._slot.pop(int(key), None)  # has nothing to free
             if slot is not None:
-                self.persist.release(int(key), self.pool, slot)  # saves its KV first
+                self.persist.release(int(key), self.pool, slot,  # saves its KV first
+                                     save=key not in batch.discard)
                 self.pool.free_slot(slot)
         for key in np.unique(batch.keys).tolist():
             if key not in self._slot:

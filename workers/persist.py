@@ -170,13 +170,16 @@ class SlotPersist:
             o.done = max(o.done, int(pos.max()) + 1)
 
     # -- release ----------------------------------------------------------------------------
-    def release(self, key: int, pool, slot: int) -> None:
-        """Append the sequence's new rows to its file and unlock it (before the slot is freed)."""
+    def release(self, key: int, pool, slot: int, save: bool = True) -> None:
+        """Append the sequence's new rows to its file and unlock it (before the slot is freed).
+        save False (a failed sequence): unlock only, the file stays as it was."""
         self._plain.discard(key)
         o = self._open.pop(key, None)
         if o is None:
             return
         with o.stack:
+            if not save:
+                return
             c = common_prefix(o.saved, o.tokens[:o.done])
             if c == o.done and not o.rewrite:
                 return  # the file holds the whole sequence already

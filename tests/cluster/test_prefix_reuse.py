@@ -395,3 +395,35 @@ def test_scheduler_counts_cache_events_in_metrics(tiny, tmp_path):
         assert {k[9:-1]: v for k, v in metrics.local.items() if k.startswith("kv_cache[")} \
             == stats.kv_cache
     assert out[0].cached_prompt_tokens == P - 1 and stats.kv_cache["hits"] == 1
+
+
+def test_failed_request_leaves_the_saved_conversation_whole(tiny, tmp_path, monkeypatch):
+    """b shares 20 tokens with the saved a, loads them, then its first decode step raises:
+    b is an error row, and the file still holds a's 45 tokens (its release used to cut a at
+    the divergence and append b's prompt)."""
+    cache = tmp_path / "cache"
+    a = prompt(4)
+    run(tiny, tmp_path / "r1", [line("a", a)], cache)
+    before, _, _ = saved(tiny, cache, "conv", "f32")
+    assert len(before) == P + C - 1
+    b = a[:20] + [x + 1 for x in a[20:]]
+    real, calls = Model.forward, []
+
+    def failing(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # b's first decode step
+            raise RuntimeError("injected decode failure")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Model, "forward", failing)
+    cfg = load_job_config(env={}, overrides={
+        "model": str(tiny), "slots": 2, "max_context": 128, "prefill_chunk": 64,
+        "workers": {"runtime": "inprocess"}, "kv_cache_dir": str(cache)})
+    s = run_generate(cfg, write_lines(tmp_path / "b.jsonl", [line("b", b)]),
+                     tmp_path / "b.parquet", progress=False)
+    row = rows_by_id(tmp_path / "b.parquet")["b"]
+    assert row["finish_reason"] == "error" and "injected decode failure" in row["error"]
+    assert s.stats.kv_cache.get("hits") == 1 and "saved_tokens" not in s.stats.kv_cache
+    after, _, _ = saved(tiny, cache, "conv", "f32")
+    assert after.tokens.tolist() == before.tokens.tolist()
+    np.testing.assert_array_equal(after.l_codes, before.l_codes)
