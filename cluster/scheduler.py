@@ -261,7 +261,8 @@ class Scheduler:
                     if s.item.req.line not in self._ttft_lines:  # once, not again when re-run
                         self._ttft_lines.add(s.item.req.line)
                         self.metrics.ttft(now - s.t_admit)
-                s.t_last = now
+                if int(tok) not in self.eos:  # (the rate's last token: EOS is not in out)
+                    s.t_last = now
                 reason = self._finish_reason(s, int(tok))
                 if reason is not None:
                     on_result(self._result(s, reason))

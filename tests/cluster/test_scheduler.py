@@ -269,3 +269,36 @@ def test_failed_step_fails_only_that_workers_sequences():
     for w in base.workers:  # the failed sequences' slots were released too
         assert not w.pool.used.any()
     assert group.steps > 4
+
+
+def test_row_decode_rate_ignores_the_eos_token():
+    """One token per (virtual) second, then EOS: the row's rate is 1 token/s, as the job's;
+    EOS is not in the completion, so its sampling time is not the last token's."""
+    from cluster.scheduler import Prepared
+    from cluster.requests import Request
+    from workers.actor import StepOutput
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    clock, script = Clock(), iter([5, 6, 7, EOS])
+
+    class Scripted:
+        names, capacities = ["w0"], [1]
+
+        def step_all(self, batches):
+            clock.t += 1.0
+            return {w: StepOutput(next_tokens=np.array([next(script) for _ in b.sample_at],
+                                                       np.int32), forward_s=1.0, step_s=1.0,
+                                  kv_bytes=0) for w, b in batches.items()}
+
+    res = []
+    Scheduler(Scripted(), max_context=64, prefill_chunk=64, eos_ids=[EOS], decode=decode,
+              tier="f32", clock=clock).run(
+        [Prepared(Request(id="a", line=1), np.array([1, 2, 3], np.int32), 10, 0.0, 1.0, 0)],
+        res.append)
+    assert res[0].finish_reason == "stop" and res[0].completion_tokens == [5, 6, 7]
+    assert res[0].decode_tokens_per_s == pytest.approx(1.0)
