@@ -61,7 +61,7 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
         raise JobConfigError(f"model {cfg.model}: {why}")
     tok = Tokenizer.from_dir(cfg.model)
-    store = ResultStore(out, flush_every=cfg.flush_every)
+    store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     done = store.done_keys()
     skipped, errors, items = 0, [], []
     try:
@@ -107,7 +107,7 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
             store.flush()
             close()
     bar.close()
-    store.finalize()
+    store.finalize({result_key(item.id, item.line): item.line for item in lines})
     if stats.kv_cache:
         log.info("KV cache %s: %s", cfg.kv_cache_dir,
                  ", ".join(f"{k} {v}" for k, v in sorted(stats.kv_cache.items())))
@@ -115,6 +115,12 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
                 time.perf_counter() - t0, stats, list(getattr(group, "final_stats", [])))
     log.info("generate: %s", s.line())
     return s
+
+
+def _settings(cfg: JobConfig) -> dict[str, object]:
+    """What makes two runs' rows comparable (ResultStore refuses to mix them in one OUT)."""
+    return {"kv": cfg.kv, "model": cfg.model_ref(), "max_context": cfg.max_context,
+            "sampling": cfg.sampling.model_dump()}
 
 
 def _prepare(r: Request, cfg: JobConfig, tok, vocab: int) -> Prepared | InputError:

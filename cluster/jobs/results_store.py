@@ -5,9 +5,16 @@ file, written to a temporary name, fsync'd and renamed into place, so a job kill
 moment keeps every part it finished. A rerun with the same OUT reads the final file and the
 parts, treats every key with a non-error row as done, and `finalize` merges everything
 into OUT (the newest row per key wins, rows sorted by input line) and removes the parts.
+Given the current input's keys, `finalize` keeps only their rows, at their current lines
+(a line removed or fixed in the prompts file leaves no stale row behind).
+
+`settings` (the job's tier, model, sampling defaults, context) go into every file's schema
+metadata; a rerun whose settings differ from those of the rows already there is refused,
+so one OUT never mixes results of two configurations.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -18,15 +25,19 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cluster.config import JobConfigError
 from cluster.requests import LATER_COLUMNS, SCHEMA, Result, result_key, results_table
 
 log = logging.getLogger(__name__)
 PART = re.compile(r"^part-(\d{6})\.parquet$")
+SETTINGS_KEY = b"kvfleet.settings"
 
 
 class ResultStore:
-    def __init__(self, out: str | Path, flush_every: int = 32, flush_s: float = 5.0):
+    def __init__(self, out: str | Path, flush_every: int = 32, flush_s: float = 5.0,
+                 settings: dict[str, object] | None = None):
         self.out = Path(out)
+        self.settings = settings
         self.parts = self.out.parent / (self.out.name + ".parts")
         self.flush_every, self.flush_s = flush_every, flush_s
         self._buf: list[Result] = []
@@ -36,6 +47,38 @@ class ResultStore:
             stale.unlink()  # a part that was being written when a previous run died
         self._next = 1 + max((int(m.group(1)) for p in self._part_files()
                               if (m := PART.match(p.name))), default=0)
+        if settings is not None:
+            self._check_settings()
+
+    def _check_settings(self) -> None:
+        for path, found in self._settings_found():
+            if found is None:
+                continue  # written before settings were recorded
+            diff = sorted(k for k in set(found) | set(self.settings)
+                          if found.get(k) != self.settings.get(k))
+            if diff:
+                was = ", ".join(f"{k} {found.get(k)!r}" for k in diff)
+                now = ", ".join(f"{k} {self.settings.get(k)!r}" for k in diff)
+                raise JobConfigError(f"--out {self.out}: {path.name} holds results made with "
+                                     f"{was}; this run has {now}. Give another --out, or "
+                                     f"the same settings to resume")
+
+    def _settings_found(self) -> list[tuple[Path, dict | None]]:
+        out = []
+        for p in ([self.out] if self.out.exists() else []) + self._part_files():
+            try:
+                meta = pq.read_schema(p).metadata or {}
+            except (OSError, pa.ArrowInvalid):
+                continue  # _tables reports it
+            raw = meta.get(SETTINGS_KEY)
+            out.append((p, None if raw is None else json.loads(raw)))
+        return out
+
+    def _table(self, table: pa.Table) -> pa.Table:
+        if self.settings is None:
+            return table
+        return table.replace_schema_metadata({SETTINGS_KEY: json.dumps(self.settings,
+                                                                       sort_keys=True)})
 
     def _part_files(self) -> list[Path]:
         if not self.parts.exists():
@@ -83,21 +126,31 @@ class ResultStore:
         self.parts.mkdir(parents=True, exist_ok=True)
         path = self.parts / f"part-{self._next:06d}.parquet"
         self._next += 1
-        _write_atomic(results_table(self._buf), path)
+        _write_atomic(self._table(results_table(self._buf)), path)
         self._buf = []
 
-    def finalize(self) -> pa.Table:
-        """Flush, merge final file + parts into OUT atomically, remove the parts."""
+    def finalize(self, current: dict[str, int] | None = None) -> pa.Table:
+        """Flush, merge final file + parts into OUT atomically, remove the parts. current:
+        the input's key -> line; rows of other keys are dropped (logged), lines renumbered."""
         self.flush()
         tables = self._tables()
         merged = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
         keys = [result_key(i, n) for i, n in zip(merged.column("id").to_pylist(),
                                                  merged.column("line").to_pylist())]
         last = {k: j for j, k in enumerate(keys)}  # the newest row per key
-        lines = merged.column("line").to_pylist()
-        rows = sorted(last.values(), key=lambda j: lines[j])
+        if current is not None:
+            gone = [k for k in last if k not in current]
+            if gone:
+                log.warning("%s: %d earlier rows are not in the prompts any more (e.g. %s): "
+                            "left out", self.out, len(gone), gone[:3])
+            last = {k: j for k, j in last.items() if k in current}
+        rows = sorted(last.values(), key=lambda j: current[keys[j]] if current is not None
+                      else merged.column("line")[j].as_py())
         merged = merged.take(pa.array(rows, pa.int64()))
-        _write_atomic(merged, self.out)
+        if current is not None:
+            merged = merged.set_column(merged.schema.get_field_index("line"), SCHEMA.field("line"),
+                                       pa.array([current[keys[j]] for j in rows], pa.int32()))
+        _write_atomic(self._table(merged), self.out)
         if self.parts.exists():
             shutil.rmtree(self.parts)
         return merged

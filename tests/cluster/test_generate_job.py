@@ -170,3 +170,34 @@ def test_worker_placements_use_resources_and_labels(tiny, tmp_path):
     assert [(s.name, s.slots) for s, _ in pl] == [("a/cpu0", 3), ("a/cpu1", 3), ("g/cuda0", 5)]
     assert pl[0][1]["resources"] == {"cpu_worker": 1.0} and pl[0][1]["label_selector"] == {"zone": "x"}
     assert pl[2][1]["num_gpus"] == 1 and pl[2][1]["resources"] == {"h200": 1.0}
+
+
+def test_resume_after_editing_the_prompts_keeps_one_row_per_current_line(tiny, tmp_path):
+    """A fixed duplicate line, then a new first line and a removed id: the merged file has
+    exactly the current lines' rows at their current line numbers (stale rows stayed)."""
+    out = tmp_path / "out.parquet"
+    a, b, c = (json.dumps({"id": i, "prompt": p, "max_tokens": 3})
+               for i, p in (("a", "hello"), ("b", "world"), ("c", "fox")))
+    dup = json.dumps({"id": "a", "prompt": "world", "max_tokens": 3})
+    for lines, want in (([a, dup, c], [("a", 1), (None, 2), ("c", 3)]),
+                        ([a, b, c], [("a", 1), ("b", 2), ("c", 3)]),
+                        ([c, a], [("c", 1), ("a", 2)])):  # b removed, c moved first
+        run_generate(config(tiny), write_lines(tmp_path / "p.jsonl", lines), out, progress=False)
+        t = pq.read_table(out)
+        assert list(zip(t.column("id").to_pylist(), t.column("line").to_pylist())) == want
+
+
+def test_resume_with_other_settings_is_refused(tiny, tmp_path):
+    """One OUT never mixes two configurations' rows (a rerun with another --kv used to
+    add tq4 rows beside the f32 ones and call the rest done)."""
+    from cluster.config import JobConfigError
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(4))
+    out = tmp_path / "out.parquet"
+    run_generate(config(tiny), prompts, out, limit=2, progress=False)
+    before = pq.read_table(out)
+    for kw, field in (({"kv": "tq4"}, "kv 'f32'"), ({"sampling": {"max_tokens": 2}}, "sampling")):
+        with pytest.raises(JobConfigError, match=f"holds results made with {field}"):
+            run_generate(config(tiny, **kw), prompts, out, progress=False)
+    assert pq.read_table(out).equals(before)  # nothing touched
+    s = run_generate(config(tiny), prompts, out, progress=False)  # the same settings resume
+    assert s.skipped == 2 and pq.read_table(out).num_rows == 4
