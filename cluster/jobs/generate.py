@@ -8,6 +8,7 @@ crash-safe ResultStore -> merge into OUT.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -176,6 +177,20 @@ def _start_workers(cfg: JobConfig):
     return group, close
 
 
+def local_cpus(cfg: JobConfig, placements=()) -> int:
+    """CPUs of the local Ray a job starts: the machine's, or more where the workers ask for
+    more (Ray would otherwise wait for them forever: CPUs are logical, the workers share the
+    cores); workers.ray_num_cpus when set, which must cover them."""
+    need = math.ceil(sum(opts.get("num_cpus", 1.0) for _, opts in placements))
+    if cfg.workers.ray_num_cpus is not None:
+        if cfg.workers.ray_num_cpus < need:
+            raise JobConfigError(f"workers.ray_num_cpus={cfg.workers.ray_num_cpus} is fewer "
+                                 f"than the {need} CPUs the {len(placements)} workers ask for "
+                                 f"(workers.num_cpus each)")
+        return cfg.workers.ray_num_cpus
+    return max(os.cpu_count() or 1, need)
+
+
 def connect_ray(cfg: JobConfig, placements=()) -> bool:
     """Join the cluster RAY_ADDRESS names, or start a local Ray that offers the custom
     resources the workers ask for. True if this call connected (and so must disconnect)."""
@@ -190,7 +205,7 @@ def connect_ray(cfg: JobConfig, placements=()) -> bool:
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "disabled"
         log.info("RAY_AUTH_MODE was unset: set to 'disabled' for the local Ray this job starts")
-    n = cfg.workers.ray_num_cpus or os.cpu_count() or 1
+    n = local_cpus(cfg, placements)
     resources: dict[str, float] = {}
     for _, opts in placements:
         for k, v in opts.get("resources", {}).items():

@@ -201,3 +201,18 @@ def test_resume_with_other_settings_is_refused(tiny, tmp_path):
     assert pq.read_table(out).equals(before)  # nothing touched
     s = run_generate(config(tiny), prompts, out, progress=False)  # the same settings resume
     assert s.skipped == 2 and pq.read_table(out).num_rows == 4
+
+
+def test_local_ray_has_a_cpu_for_every_worker(tiny):
+    """--workers 3 on a 2-core machine: the local Ray offers 3 CPUs (it waited forever for
+    the third actor); a workers.ray_num_cpus too small for them is a config error."""
+    from cluster.config import JobConfigError
+    from cluster.jobs.generate import local_cpus
+    many = os.cpu_count() + 2
+    cfg = config(tiny, workers={"count": many})
+    assert local_cpus(cfg, worker_placements(cfg)) == many
+    cfg = config(tiny, workers={"count": 1})
+    assert local_cpus(cfg, worker_placements(cfg)) == os.cpu_count()
+    cfg = config(tiny, workers={"count": 3, "ray_num_cpus": 2})
+    with pytest.raises(JobConfigError, match="ray_num_cpus=2 is fewer than the 3 CPUs"):
+        local_cpus(cfg, worker_placements(cfg))
