@@ -97,6 +97,7 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     group = None
     if items:
         group, close = _start_workers(cfg)
+        bar.started()
         try:  # a group that keeps metrics (cluster/ep_group.py) shares them
             sched = Scheduler(group, max_context=cfg.max_context,
                               prefill_chunk=cfg.prefill_chunk, eos_ids=_eos(tok, mcfg),

@@ -21,6 +21,11 @@ class Progress:
             from tqdm import tqdm
             self._bar = tqdm(total=total, unit="prompt", file=sys.stderr, dynamic_ncols=True)
 
+    def started(self) -> None:
+        """Generation begins (workers up): the tok/s rate counts from here, not from the
+        start of Ray and the model loads."""
+        self.t0 = time.monotonic()
+
     def update(self, tokens: int = 0) -> None:
         self.done += 1
         self.tokens += tokens
