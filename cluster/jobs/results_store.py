@@ -1,7 +1,8 @@
 """Crash-safe, resumable result output: part files under OUT.parts/, merged into OUT at the end.
 
-Every `flush_every` results (or `flush_s` seconds) the buffered rows become one Parquet part
-file, written to a temporary name, fsync'd and renamed into place, so a job killed at any
+Every `flush_every` results (or at the first result after `flush_s` seconds: there is
+no timer, so a row can wait in memory until the next one) the buffered rows become one
+Parquet part file, written to a temporary name, fsync'd and renamed into place, so a job killed at any
 moment keeps every part it finished. A rerun with the same OUT reads the final file and the
 parts, treats every key with a non-error row as done, and `finalize` merges everything
 into OUT (the newest row per key wins, rows sorted by input line) and removes the parts.
