@@ -114,19 +114,18 @@ class ShardedGroup:
         self._maybe_stats()
         return out
 
-    def _run(self, batches: dict[int, StepBatch]) -> dict[int, Any]:
+    def _run(self, batches: dict[int, StepBatch], grace_s: float = 30.0) -> dict[int, Any]:
+        """Each worker's step result or error. Once a step has failed, the ones still running
+        get grace_s more and then count as failed (TimeoutError), so that a hung worker
+        (whose peers' expert calls timed out) is pinged and killed by _find_dead instead of
+        holding the group forever."""
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
-        out: dict[int, Any] = {}
-        for i, ref in refs.items():
-            try:
-                out[i] = ray.get(ref)
-            except ray.exceptions.RayError as e:
-                out[i] = e
-        return out
+        return collect_steps(ray, refs, {i: self.names[i] for i in refs}, grace_s)
 
     def is_dead(self, worker: int, exc: BaseException) -> bool:
         return worker in self.dead
+
 
     # -- failures -------------------------------------------------------------------------
     def _find_dead(self, timeout_s: float = 30.0) -> list[int]:
@@ -258,3 +257,27 @@ def _why(exc: BaseException | None) -> str:
         return "found dead by a ping"
     lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float) -> dict[int, Any]:
+    """ray.get of every ref (an error as its value); after the first error the rest have
+    grace_s seconds, then each is a TimeoutError."""
+    out: dict[int, Any] = {}
+    pending = dict(refs)
+    deadline = None
+    while pending:
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=timeout)
+        if not ready:
+            for i in pending:
+                out[i] = TimeoutError(f"worker {names[i]}: its step still runs {grace_s:g} s "
+                                      f"after another worker's step failed")
+            break
+        for i in [i for i, r in pending.items() if r in ready]:
+            try:
+                out[i] = ray.get(pending.pop(i))
+            except ray.exceptions.RayError as e:
+                out[i] = e
+                if deadline is None:
+                    deadline = time.monotonic() + grace_s
+    return out
