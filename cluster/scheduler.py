@@ -116,6 +116,8 @@ class Scheduler:
             self._admit(waiting, active)
             self.metrics.queue(len(waiting), len(active))
             if not active:
+                if waiting:  # no live worker has a slot (e.g. the last died while starting)
+                    self._fail_all(waiting, on_result)
                 break
             batches, sampled, n_prompt = self._build(active)
             t0 = self.clock()
@@ -151,7 +153,8 @@ class Scheduler:
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
                 self.stats.worker_deaths += 1
-                self.stats.recoveries += len(self._dead) < len(self.group.names)
+                self.stats.recoveries += any(c > 0 for i, c in enumerate(self.group.capacities)
+                                             if i not in self._dead)  # (a live one with slots)
                 self.stats.requeued += len(mine)
                 self.metrics.worker_died(len(mine))
                 for s in reversed(mine):
@@ -164,11 +167,13 @@ class Scheduler:
                     self._release[w].append(s.key)
                     self._discard.add(s.key)
         if len(self._dead) == len(self.group.names):
-            log.error("every worker is dead; %d requests fail", len(waiting))
-            while waiting:
-                item = waiting.popleft()
-                on_result(self._result(_Seq(-1, item, 0, self.clock()), "error",
-                                       "no live worker left"))
+            self._fail_all(waiting, on_result)
+
+    def _fail_all(self, waiting: deque, on_result) -> None:
+        log.error("no live worker left; %d requests fail", len(waiting))
+        while waiting:
+            item = waiting.popleft()
+            on_result(self._result(_Seq(-1, item, 0, self.clock()), "error", "no live worker left"))
 
     # -- admission ----------------------------------------------------------------------
     def _admit(self, waiting: deque, active: list[_Seq]) -> None:

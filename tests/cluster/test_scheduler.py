@@ -302,3 +302,21 @@ def test_row_decode_rate_ignores_the_eos_token():
         res.append)
     assert res[0].finish_reason == "stop" and res[0].completion_tokens == [5, 6, 7]
     assert res[0].decode_tokens_per_s == pytest.approx(1.0)
+
+
+def test_no_live_slot_left_fails_the_waiting_requests():
+    """Worker 1 died while starting (the group set its capacity to 0, the scheduler never saw
+    it die) and worker 0 dies mid-job: its requests and the rest come out as error rows
+    (they were dropped without a result) and no recovery is counted."""
+    items = [prep(i, p, seed=i) for i, p in enumerate(prompts())]
+    base = make_group([3, 3])
+    base.capacities[1] = 0
+    group = FailingGroup(base.workers, victim=0, at=4, dies=True)
+    group.capacities = base.capacities
+    results = []
+    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32").run(items, results.append)
+    assert sorted(r.id for r in results) == sorted(it.req.id for it in items)
+    failed = [r for r in results if r.finish_reason == "error"]
+    assert failed and all(r.error == "no live worker left" for r in failed)
+    assert stats.worker_deaths == 1 and stats.recoveries == 0
