@@ -116,10 +116,11 @@ def tier_from_tag(version: int, tag: int) -> Tier:
     if version == 2 and tag == 1:
         return TIERS["kv8"]
     if version == 3:
-        codec, bits = (tag >> 8) & 0xFF, tag & 0xFF
-        if codec == CODEC_TQ and bits == 4:
-            return TIERS["tq4"]
-        if codec == CODEC_POLAR and 2 <= bits <= 6:
-            return TIERS[f"polar{bits}"]
-        raise TierError(f"unsupported v3 codec/bits: codec {codec}, {bits}-bit (tag {tag:#x})")
+        # exactly codec << 8 | bits: a tag with any other bit set names no known tier
+        for t in TIERS.values():
+            if t.version == 3 and t.tag == tag:
+                return t
+        known = ", ".join(f"{t.tag:#x} {t.name}" for t in TIERS.values() if t.version == 3)
+        raise TierError(f"unsupported v3 codec/bits: tag {tag:#x} (codec {tag >> 8}, "
+                        f"{tag & 0xFF}-bit) is none of codec << 8 | bits = {known}")
     raise TierError(f"unsupported KV format version {version} with tag {tag:#x}")

@@ -17,9 +17,14 @@
 The writer appends records after the last committed one, fsyncs, then writes nrec and
 fsyncs again, so a crash leaves at most uncommitted bytes past nrec, which the next open
 for writing cuts off. A reader stops at the first short record (nrec = records read).
+
+Both formats write in place only into the file they loaded or wrote (`open_loaded`): if
+its path now names another file (one renamed over it without the slot lock), a write at
+the old offsets would land inside that file, so it is an OSError instead.
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 
@@ -57,11 +62,38 @@ def read_header(path: str) -> tuple[int, Fingerprint, int, int, int]:
     return MAGICS[head[:8]], fp, h[6], h[7], size
 
 
+def file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def check_loaded(path: str, loaded: tuple[int, int] | None,
+                 st: os.stat_result | None = None) -> None:
+    """An OSError naming the file if `path` (or its stat `st`) is no longer the file whose
+    file_id this writer took at load or write."""
+    if file_id(st or os.stat(path)) != loaded:
+        raise OSError(errno.ESTALE, f"{path}: replaced by another file since this writer loaded "
+                                    f"it (another writer, e.g. kvfleet kv convert, renamed a file "
+                                    f"over it); not writing at the old offsets")
+
+
+def open_loaded(path: str, loaded: tuple[int, int] | None, flags: int) -> int:
+    """os.open(path, flags), if path still names the file `loaded` (check_loaded)."""
+    fd = os.open(path, flags)
+    try:
+        check_loaded(path, loaded, os.fstat(fd))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 class ColiKVFile(CacheFile):
     suffix = ".coli_kv"
     _fix_nrec: int | None = None  # set by _read when the commit word must be rewritten
+    _file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file loaded or written
 
     def _read(self) -> FileContents:
+        self._file_id = file_id(os.stat(self.path))
         version, fp, nrec, tag, size = read_header(self.path)
         c = FileContents(version, tag, fp, None, HEADER_BYTES, size)
         self._fix_nrec = None
@@ -87,29 +119,34 @@ class ColiKVFile(CacheFile):
     def _heal(self) -> None:
         fix = self._fix_nrec  # wrong nrec, with or without torn bytes after the last record
         if fix is not None:
-            with open(self.path, "r+b") as f:
-                f.seek(NREC_OFFSET)
-                f.write(struct.pack("<i", fix))
-                f.flush()
-                os.fsync(f.fileno())
+            fd = open_loaded(self.path, self._file_id, os.O_RDWR)
+            try:
+                os.pwrite(fd, struct.pack("<i", fix), NREC_OFFSET)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif self._heal_to is not None:
+            check_loaded(self.path, self._file_id)  # the base class truncates by path
         self._fix_nrec = None
         super()._heal()
 
-    def _write_new(self, path: str, recs: KVRecords) -> None:
+    def _write_new(self, path: str, recs: KVRecords) -> tuple[int, int]:
         t = self.tier
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            ident = file_id(os.fstat(fd))
             write_all(fd, header_bytes(t.version, self.fp, len(recs), t.tag))
             write_all(fd, self.layout.pack(recs))
             os.fsync(fd)
         finally:
             os.close(fd)
+        return ident
 
-    def _adopt(self, state: None) -> None:
-        self._fix_nrec = None  # the new file's nrec is right
+    def _adopt(self, ident: tuple[int, int]) -> None:
+        self._fix_nrec, self._file_id = None, ident  # the new file's nrec is right
 
     def _append(self, recs: KVRecords, start: int) -> None:
-        fd = os.open(self.path, os.O_RDWR)
+        fd = open_loaded(self.path, self._file_id, os.O_RDWR)
         try:
             os.lseek(fd, HEADER_BYTES + start * self.layout.record_bytes, os.SEEK_SET)
             write_all(fd, self.layout.pack(recs))
@@ -120,7 +157,7 @@ class ColiKVFile(CacheFile):
             os.close(fd)
 
     def _cut(self, n: int) -> None:
-        fd = os.open(self.path, os.O_RDWR)
+        fd = open_loaded(self.path, self._file_id, os.O_RDWR)
         try:
             os.pwrite(fd, struct.pack("<i", n), NREC_OFFSET)  # commit the shorter length first
             os.fsync(fd)

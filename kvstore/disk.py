@@ -51,6 +51,7 @@ import pyarrow.ipc as ipc
 
 from kernels.tiers import TierError, tier_from_tag
 from kvstore.cachefile import CacheFile, FileContents, write_all
+from kvstore.coli import check_loaded, file_id, open_loaded
 from kvstore.fingerprint import FIELDS, Fingerprint, HeaderError
 from kvstore.records import KVRecords, RecordLayout
 
@@ -120,6 +121,7 @@ def batch_crc(start: int, tokens: np.ndarray, payload: np.ndarray) -> int:
 
 class ArrowKVFile(CacheFile):
     suffix = ".arrow"
+    _file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file loaded or written
 
     @cached_property
     def schema(self) -> pa.Schema:
@@ -151,10 +153,11 @@ class ArrowKVFile(CacheFile):
         return sink.written
 
     def _read(self) -> FileContents:
-        size = os.path.getsize(self.path)
-        data = np.empty(size, np.uint8)  # writable: the records are views into it
         with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            data = np.empty(st.st_size, np.uint8)  # writable: the records are views into it
             got = f.readinto(data)
+        self._file_id = file_id(st)
         data = data[:got]
         src = pa.BufferReader(pa.py_buffer(data))
         reader = _open(src, self.path)
@@ -194,10 +197,12 @@ class ArrowKVFile(CacheFile):
                       f"{': ' + why if why else ''}); kept {n} records")
         return c
 
-    def _write_new(self, path: str, recs: KVRecords) -> list[tuple[int, int]]:
-        """Write a whole file; returns its commit bounds (for `_adopt`, once it is in place)."""
+    def _write_new(self, path: str, recs: KVRecords) -> tuple[list, tuple[int, int]]:
+        """Write a whole file; returns its commit bounds and file_id (for `_adopt`, once it
+        is in place)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            ident = file_id(os.fstat(fd))
             head = self._schema_message
             write_all(fd, head)
             bounds = [(0, len(head))]
@@ -207,14 +212,19 @@ class ArrowKVFile(CacheFile):
             os.fsync(fd)
         finally:
             os.close(fd)
-        return bounds
+        return bounds, ident
 
-    def _adopt(self, bounds: list[tuple[int, int]]) -> None:
-        self._bounds = bounds
+    def _adopt(self, state: tuple[list, tuple[int, int]]) -> None:
+        self._bounds, self._file_id = state
+
+    def _heal(self) -> None:
+        if self._heal_to is not None:
+            check_loaded(self.path, self._file_id)  # the base class truncates by path
+        super()._heal()
 
     def _append(self, recs: KVRecords, start: int) -> None:
         end = self._bounds[-1][1]
-        fd = os.open(self.path, os.O_WRONLY)
+        fd = open_loaded(self.path, self._file_id, os.O_WRONLY)
         try:
             os.lseek(fd, end, os.SEEK_SET)
             size = self._write_batch(fd, recs, start)
@@ -226,13 +236,17 @@ class ArrowKVFile(CacheFile):
     def _cut(self, n: int) -> None:
         keep = max(i for i, (recs, _) in enumerate(self._bounds) if recs <= n)
         recs_at, byte_at = self._bounds[keep]
+        check_loaded(self.path, self._file_id)  # before _read takes the path's file_id again
         tail = self._read().records.slice(recs_at, n) if recs_at < n else None  # part of a batch
         if tail is not None and len(tail) != n - recs_at:
             raise OSError(errno.EIO, f"{self.path}: records {recs_at}..{n} read back short "
                                      f"({len(tail)}): the file changed since it was loaded")
-        with open(self.path, "r+b") as f:
-            f.truncate(byte_at)
-            os.fsync(f.fileno())
+        fd = open_loaded(self.path, self._file_id, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, byte_at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         self._bounds, self._n = self._bounds[:keep + 1], recs_at  # the file as it is now
         if tail is not None:  # if this fails, the file and the state hold recs_at records
             self._append(tail, recs_at)

@@ -5,7 +5,9 @@ told apart by their first bytes. `inspect` prints the header, the record count a
 loader would do with the file (torn tail, repaired rows, and, with --model/--tier, whether
 that model would resume it). `convert` rewrites the records in another format and/or tier
 (same tier: a byte copy of the records; f32 -> quantized: encode_rows; otherwise decode then
-encode, which is lossy); the output is written atomically.
+encode, which is lossy); the output is written atomically, under the output's slot lock
+(kvstore/slots.py), so a file that a running job holds is refused, never renamed under it.
+Both refuse a file that a loader would throw away whole (a clean start).
 """
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from kernels.tiers import TIERS, TierError, get_tier, tier_from_tag
 from kvstore import coli, disk
 from kvstore.fingerprint import Fingerprint, HeaderError, plan_load, tier_label
 from kvstore.records import RecordLayout, requantize
+from kvstore.slots import SlotBusyError, SlotLock
 
+# how kvstore's load messages end when a file is thrown away (cachefile.py, plan_load)
+_CLEAN_START = "; starting clean; the next save replaces it"
 SUFFIX_FORMAT = {".coli_kv": "coli", ".arrow": "arrow", ".arrows": "arrow", ".kvarrow": "arrow"}
 
 
@@ -41,7 +46,8 @@ def register(sub) -> None:
 
 
 def open_any(path: str):
-    """(format name, CacheFile opened with the file's own model and tier, loaded records)."""
+    """(format name, CacheFile opened with the file's own model and tier, loaded records,
+    the header's tag word). A file that load() would throw away whole is a UsageError."""
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file")
     with open(path, "rb") as f:
@@ -68,16 +74,21 @@ def open_any(path: str):
         raise UsageError(f"{path}: {e}" if path not in str(e) else str(e)) from None
     f = cls(path, fp, tier)
     recs = f.load()
-    return fmt, f, recs
+    # load() started clean (a HeaderError from _read leaves no plan): it keeps nothing of the
+    # file, so there is nothing to inspect or convert; a cut tail still has a "load" plan
+    if f.plan is None or f.plan.action == "reject":
+        reason = (f.message or f"{path}: unreadable").removesuffix(_CLEAN_START)
+        raise UsageError(f"{reason}; a loader keeps none of this file (it starts clean)")
+    return fmt, f, recs, tag
 
 
 def inspect_cmd(args) -> int:
-    fmt, f, recs = open_any(args.file)
+    fmt, f, recs, tag = open_any(args.file)
     t, fp = f.tier, f.fp
     size = os.path.getsize(args.file)
     print(f"file:         {args.file}")
     print(f"format:       {fmt} ({'Arrow IPC stream' if fmt == 'arrow' else 'C engine .coli_kv'})")
-    print(f"tier:         {tier_label(t)}  tag {t.tag:#x}")
+    print(f"tier:         {tier_label(t)}  tag {tag:#x}")
     print(f"model:        {fp.describe()}")
     print(f"record bytes: {f.layout.record_bytes}  ({t.token_bytes(fp.kv_lora, fp.rope)} per layer)")
     print(f"records:      {len(recs)}")
@@ -97,19 +108,25 @@ def inspect_cmd(args) -> int:
             print(f"non-finite values: {int((~np.isfinite(x)).sum())}")
     print(f"health:       {f.message or 'ok'}")
     if args.model:
-        return _model_check(args, f)
+        return _model_check(args, f, tag)
     return 0
 
 
-def _model_check(args, f) -> int:
+def _model_check(args, f, tag: int) -> int:
     from workers.config import ConfigError, ModelConfig
+    from workers.persist import unsupported_reason
     path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
     try:
-        model_fp = Fingerprint.from_config(ModelConfig.from_file(path))
+        cfg = ModelConfig.from_file(path)
+        model_fp = Fingerprint.from_config(cfg)
     except (ConfigError, OSError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
     tier = get_tier(args.kv or f.tier.name)
-    plan = plan_load(f.path, f.tier.version, f.tier.tag, f.fp, model_fp, tier)
+    why = unsupported_reason(cfg)
+    if why:  # the worker refuses persistence for this model whatever the file holds
+        print(f"resume with {tier.name}: not resumable by kvfleet: {why}")
+        return 0
+    plan = plan_load(f.path, f.tier.version, tag, f.fp, model_fp, tier)
     print(f"resume with {tier.name}: {plan.action}" + (f" ({plan.message})" if plan.message else ""))
     if plan.action == "reject":
         raise UsageError(plan.message)
@@ -121,19 +138,42 @@ def convert_cmd(args) -> int:
     if fmt is None:
         raise UsageError(f"{args.output}: cannot tell the output format from its suffix; "
                          f"pass --format arrow|coli")
-    src_fmt, src, recs = open_any(args.input)
-    if src.message:
-        print(f"note: {src.message}")
     dst_tier = get_tier(args.to)
-    if src.tier.quantized and dst_tier != src.tier:
-        print(f"note: {src.tier.name} -> {dst_tier.name} decodes and re-encodes (lossy)")
+    lock = _lock_output(args.output)  # also the input's lock when it is the same file
     try:
-        out = requantize(recs, src.tier, dst_tier, src.fp)
-    except TierError as e:
-        raise UsageError(f"--to {args.to}: {e}") from None
-    cls = disk.ArrowKVFile if fmt == "arrow" else coli.ColiKVFile
-    dst = cls(args.output, src.fp, dst_tier)
-    dst.rewrite(out)
+        src_fmt, src, recs, _ = open_any(args.input)
+        if src.message:
+            print(f"note: {src.message}")
+        if src.tier.quantized and dst_tier != src.tier:
+            print(f"note: {src.tier.name} -> {dst_tier.name} decodes and re-encodes (lossy)")
+        try:
+            out = requantize(recs, src.tier, dst_tier, src.fp)
+        except TierError as e:
+            raise UsageError(f"--to {args.to}: {e}") from None
+        cls = disk.ArrowKVFile if fmt == "arrow" else coli.ColiKVFile
+        dst = cls(args.output, src.fp, dst_tier)
+        dst.rewrite(out)
+    finally:
+        lock.close()
     print(f"wrote {len(out)} records ({dst_tier.name}, {fmt}) to {args.output} "
           f"({os.path.getsize(args.output)} bytes; from {src_fmt} {src.tier.name})")
     return 0
+
+
+def _lock_output(path: str) -> SlotLock:
+    """The slot lock of `path` (the one a running job holds on its cache file); a busy or
+    unlockable file is a UsageError, before anything is read or written."""
+    try:
+        return SlotLock(path)
+    except SlotBusyError:
+        try:
+            with open(path + ".lock") as f:
+                holder = f.read(32).strip() or "unknown"
+        except OSError:
+            holder = "unknown"
+        raise UsageError(f"{path}: KV cache file is in use by a running job (pid {holder} holds "
+                         f"{path}.lock); nothing written: stop it or convert to another "
+                         f"file") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot lock the output ({e.strerror}: {path}.lock); "
+                         f"nothing written") from None

@@ -218,3 +218,45 @@ def test_rewrite_forgets_the_old_files_nrec_fix(tmp_path, file_tier):
     f.append(new, start=0)  # the rewrite
     f.append(new.slice(0, 0))  # must not write the old file's record count into the new one
     assert p.read_bytes() == reference_bytes(SMALL, "kv8", new)
+
+
+@pytest.mark.parametrize("tier,tag", [("tq4", 0x10104), ("tq4", 0x7F000104), ("polar4", 0xFF0004),
+                                      ("polar4", 0x1000004), ("polar4", -0xFFFC)])
+def test_v3_tag_with_extra_bits_starts_clean(tmp_path, tier, tag):
+    # a tag is exactly codec << 8 | bits: a masked parse read 0x10104 as tq4 and 0xFF0004 as
+    # polar4, i.e. loaded a file whose header names no known tier
+    from kernels.tiers import TierError, tier_from_tag
+    with pytest.raises(TierError, match=f"tag {tag:#x}"):
+        tier_from_tag(3, tag)
+    p = tmp_path / "c.coli_kv"
+    data = bytearray(reference_bytes(FP, tier, records(FP, tier, 3)))
+    struct.pack_into("<i", data, 36, tag)
+    overwrite(p, bytes(data))
+    before = digest(p)
+    f = ColiKVFile(p, FP, tier)
+    assert len(f.load()) == 0 and f.plan.action == "reject" and f.plan.file_tier is None
+    assert "unsupported v3" in f.message and str(p) in f.message, f.message
+    assert digest(p) == before
+    new = records(FP, tier, 2, seed=5)
+    f.append(new)  # replaced by a file with the tier's own tag
+    assert p.read_bytes() == reference_bytes(FP, tier, new)
+
+
+@pytest.mark.parametrize("op", ["append", "truncate", "heal"])
+def test_writer_refuses_a_file_renamed_over_its_own(tmp_path, op):
+    # Another writer (kv convert without the slot lock) renames a new file over the one this
+    # object loaded: writing at the loaded file's offsets would corrupt the new file.
+    p = tmp_path / "c.coli_kv"
+    old = records(FP, "kv8", 6, seed=61)
+    overwrite(p, reference_bytes(FP, "kv8", old) + (b"torn" if op == "heal" else b""))
+    f = ColiKVFile(p, FP, "kv8")
+    assert len(f.load()) == 6
+    theirs = records(FP, "kv8", 9, seed=62)
+    ColiKVFile(p, FP, "kv8").rewrite(theirs)
+    before = digest(p)
+    with pytest.raises(OSError, match=rf"{p}: replaced by another file since this writer loaded"):
+        f.append(records(FP, "kv8", 2, seed=63)) if op != "truncate" else f.truncate(3)
+    assert digest(p) == before
+    assert same(ColiKVFile(p, FP, "kv8").load(), theirs)
+    f.load()  # a reload adopts the new file
+    assert f.append(records(FP, "kv8", 1, seed=64)) == 10

@@ -441,3 +441,49 @@ def test_fingerprint_values_must_be_ints(tmp_path, field, value):
     _assert_clean_start_then_replaced(p, f"{field}={value!r} must be a non-negative int")
     with pytest.raises(HeaderError, match=rf"src: impossible header numbers .*{field}="):
         Fingerprint.from_words(list(words.values()), "src")
+
+
+@pytest.mark.parametrize("tag", [0x10104, 0x7F000104, 0x1000104])
+def test_v3_tag_with_extra_bits_starts_clean(tmp_path, tag):
+    p = tmp_path / "c.arrow"
+    f = ArrowKVFile(p, FP, "tq4")
+    meta = dict(f.schema.metadata)
+    meta[b"kvfleet.tag"] = str(tag).encode()
+    f.__dict__["schema"] = f.schema.with_metadata(meta)  # a foreign writer's schema
+    f.load()
+    f.append(records(FP, "tq4", 3, seed=71))
+    assert read_header(str(p))[1] == tag
+    g = ArrowKVFile(p, FP, "tq4")
+    assert len(g.load()) == 0 and g.plan.action == "reject" and g.plan.file_tier is None
+    assert "unsupported v3" in g.message and f"tag {tag:#x}" in g.message and str(p) in g.message
+    new = records(FP, "tq4", 2, seed=72)
+    g.append(new)
+    assert read_header(str(p))[1] == 0x104 and same(ArrowKVFile(p, FP, "tq4").load(), new)
+
+
+@pytest.mark.parametrize("op", ["append", "truncate", "cut", "heal"])
+def test_writer_refuses_a_file_renamed_over_its_own(tmp_path, op):
+    # Another writer (kv convert without the slot lock) renames a new file over the one this
+    # object loaded: an append at the loaded file's end offset would land inside the new file
+    # and the next load would keep nothing past that point.
+    p = tmp_path / "c.arrow"
+    old = save(p, SMALL, "kv8", [records(SMALL, "kv8", 4, seed=81),
+                                 records(SMALL, "kv8", 3, seed=82)])
+    if op == "heal":
+        overwrite(p, p.read_bytes()[:-5])
+    f = ArrowKVFile(p, SMALL, "kv8")
+    assert len(f.load()) == (4 if op == "heal" else 7)
+    theirs = records(SMALL, "kv8", 20, seed=83)
+    ArrowKVFile(p, SMALL, "kv8").rewrite(theirs)
+    before = digest(p)
+    with pytest.raises(OSError, match=rf"{p}: replaced by another file since this writer loaded"):
+        if op == "truncate":
+            f.truncate(4)  # at a batch boundary: only a cut
+        elif op == "cut":
+            f.append(records(SMALL, "kv8", 2, seed=84), start=5)  # inside a batch: cut + re-append
+        else:
+            f.append(records(SMALL, "kv8", 2, seed=84))
+    assert digest(p) == before
+    assert same(ArrowKVFile(p, SMALL, "kv8").load(), theirs)
+    f.load()  # a reload adopts the new file
+    assert f.append(old.slice(0, 1)) == 21

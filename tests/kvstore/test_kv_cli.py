@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -104,6 +105,9 @@ def _bad_files(tmp_path):
         "nrec.coli_kv": (hdr(b"COLIKV2\0", 3, 512, 64, 0, 0, 1000, 5, 1) + bytes(100), "nrec=5"),
         "negnrec.coli_kv": (hdr(b"COLIKV2\0", 3, 512, 64, 0, 0, 1000, -1, 1), "nrec=-1"),
         "tag.coli_kv": (hdr(b"COLIKV3\0", 3, 512, 64, 0, 0, 1000, 0, 0x0909), "unsupported v3"),
+        "tagbits.coli_kv": (hdr(b"COLIKV3\0", 3, 512, 64, 0, 0, 1000, 0, 0x10104), "tag 0x10104"),
+        "tagbits.arrow": (make_schema(3, 0x7F000104, "tq4", FP, 892).serialize().to_pybytes(),
+                          "tag 0x7f000104"),
         "v2tag.coli_kv": (hdr(b"COLIKV2\0", 3, 512, 64, 0, 0, 1000, 0, 3), "unsupported KV format"),
         "short.coli_kv": (b"COLIKV2\0\1\0", "truncated"),
         "dsa.coli_kv": (hdr(b"COLIKV1\0", 3, 512, 64, 16, 0, 1000, 0, 0), "index_hd=16"),
@@ -137,3 +141,108 @@ def test_convert_errors(tmp_path, capsys):
     rc, _, _ = run(capsys, "kv", "convert", p, tmp_path / "k.coli_kv", "--to", "kv8")
     got = ColiKVFile(tmp_path / "k.coli_kv", FP, "kv8").load()
     assert rc == 0 and np.isfinite(got.l_scale).all() and (got.l_scale > 0).all()
+
+
+def test_convert_refuses_a_file_a_job_holds(tmp_path, capsys):
+    # A running job holds its slot file's lock and appends at the end it loaded: convert must
+    # not rename a new file under it (the job's next append would land inside that file).
+    from kvstore.slots import SlotFiles
+    src = tmp_path / "old.coli_kv"
+    theirs = write(ColiKVFile, src, FP, "kv8", [records(FP, "kv8", 20, 5)])
+    files = SlotFiles(tmp_path / "cache", FP, "kv8")
+    slot = files.path("conv")
+    mine = [records(FP, "kv8", 5, 1), records(FP, "kv8", 3, 2, start=5)]
+    with files.open("conv") as job:
+        job.load()
+        job.append(mine[0])
+        before = open(slot, "rb").read()
+        for argv in ([src, slot], [slot, slot]):  # into the file; the file onto itself
+            rc, out, err = run(capsys, "kv", "convert", *argv, "--to", "kv8")
+            assert rc == 2 and f"{slot}: KV cache file is in use by a running job" in err, err
+            assert f"pid {os.getpid()}" in err and "nothing written" in err and "wrote" not in out
+            assert open(slot, "rb").read() == before
+        job.append(mine[1])
+    g = ArrowKVFile(slot, FP, "kv8")
+    assert same(g.load(), KVRecords.concat(mine)) and g.message is None
+    # once the job is gone, the same conversions go through (one lock when IN is OUT)
+    assert run(capsys, "kv", "convert", slot, slot, "--to", "kv8")[0] == 0
+    assert same(ArrowKVFile(slot, FP, "kv8").load(), KVRecords.concat(mine))
+    assert run(capsys, "kv", "convert", src, slot, "--to", "kv8")[0] == 0
+    assert same(ArrowKVFile(slot, FP, "kv8").load(), theirs)
+    with files.open("conv") as job:  # and the convert let go of the lock
+        assert len(job.load()) == 20
+
+
+def _record_bytes_mismatch(path):
+    """An Arrow cache whose header passes but whose kvfleet.record_bytes is 8 more than the
+    fingerprint's kv8 layout: load() throws it away (clean start)."""
+    from kvstore.disk import batch_crc, make_schema
+    from kvstore.records import RecordLayout
+    lay = RecordLayout(FP, "kv8")
+    rb = lay.record_bytes + 8
+    schema = make_schema(2, 1, "kv8", FP, rb)
+    sink = pa.BufferOutputStream()
+    w = ipc.new_stream(sink, schema)
+    start = 0
+    for seed, n in ((1, 5), (2, 3)):
+        r = records(FP, "kv8", n, seed)
+        pad = np.full((n, 8), 0xA5, np.uint8)
+        pay = np.concatenate([lay.pack(r, with_token=False), pad], axis=1)
+        tok = pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(r.tokens)])
+        rec = pa.FixedSizeBinaryArray.from_buffers(pa.binary(rb - 4), n, [None, pa.py_buffer(pay)])
+        meta = {"kvfleet.start": str(start), "kvfleet.crc32": str(batch_crc(start, r.tokens, pay))}
+        w.write_batch(pa.RecordBatch.from_arrays([tok, rec], schema=schema), custom_metadata=meta)
+        start += n
+    w.close()
+    path.write_bytes(sink.getvalue().to_pybytes()[:-8])
+
+
+def test_file_that_load_throws_away_is_refused(tmp_path, capsys):
+    p = tmp_path / "c.arrow"
+    _record_bytes_mismatch(p)
+    before = p.read_bytes()
+    rc, out, err = run(capsys, "kv", "inspect", p)
+    assert rc == 2 and "records:" not in out
+    assert f"{p}: kvfleet.record_bytes=1764 but kv8 records" in err and "starts clean" in err, err
+    for dst in (p, tmp_path / "o.coli_kv"):  # in place (it used to write an empty file) or not
+        rc, out, err = run(capsys, "kv", "convert", p, dst, "--to", "kv8")
+        assert rc == 2 and "kvfleet.record_bytes=1764" in err and str(p) in err
+        assert "wrote" not in out
+    assert p.read_bytes() == before and not (tmp_path / "o.coli_kv").exists()
+    # a torn tail is not a clean start: inspect reports it, convert keeps the good prefix
+    q = tmp_path / "t.arrow"
+    want = write(ArrowKVFile, q, FP, "kv8", [records(FP, "kv8", 3), records(FP, "kv8", 2, 1)])
+    overwrite(q, q.read_bytes()[:-10])
+    rc, out, _ = run(capsys, "kv", "inspect", q)
+    assert rc == 0 and "records:      3" in out and "torn or corrupt tail" in out
+    rc, out, _ = run(capsys, "kv", "convert", q, q, "--to", "kv8")
+    assert rc == 0 and "wrote 3 records" in out
+    assert same(ArrowKVFile(q, FP, "kv8").load(), want.slice(0, 3))
+
+
+def test_inspect_prints_the_tag_the_file_holds(tmp_path, capsys):
+    p = tmp_path / "c.coli_kv"
+    write(ColiKVFile, p, FP, "polar3", [records(FP, "polar3", 2)])
+    rc, out, _ = run(capsys, "kv", "inspect", p)
+    assert rc == 0 and "tag 0x3\n" in out
+    data = bytearray(p.read_bytes())
+    struct.pack_into("<i", data, 36, 0x1000003)  # polar3 plus a stray bit: no known tier
+    overwrite(p, bytes(data))
+    rc, out, err = run(capsys, "kv", "inspect", p)
+    assert rc == 2 and "tag 0x1000003" in err and str(p) in err and "tag 0x3" not in out
+
+
+def test_inspect_model_check_says_dsa_is_not_resumable(tmp_path, capsys):
+    p = tmp_path / "c.arrow"
+    write(ArrowKVFile, p, FP_DSA, "kv8", [records(FP_DSA, "kv8", 3)])
+    cfg = {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "kv_lora_rank": 512, "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16,
+           "intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "model_type": "deepseek_v3",
+           "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m")
+    last = out.strip().splitlines()[-1]
+    assert rc == 0 and last.startswith("resume with kv8: not resumable by kvfleet: ")
+    assert "does not support DSA models" in last and ": load" not in out
