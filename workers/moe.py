@@ -4,7 +4,9 @@ experts, routed plus shared. Dense layers (first_k_dense_replace) use `gated_mlp
 Routers, as transformers implements them:
   noaux_tc (sigmoid)  s = sigmoid(logits); choice = s + e_score_correction_bias; with n_group
       > 1 a group scores the sum of its top-2 choices and only the best topk_group groups stay
-      (others -inf); top-k over choice picks experts; weights come from s (unbiased).
+      (the others' choices set to 0.0, transformers' masked_fill: where a negative bias makes
+      kept choices negative, experts of dropped groups can win); top-k over choice picks
+      experts; weights come from s (unbiased).
   greedy (softmax)    s = softmax(logits); top-k of s.
   group_limited_greedy  as greedy after keeping the topk_group groups with the largest max s.
 Then weights /= sum + 1e-20 when norm_topk_prob, and *= routed_scaling_factor.
@@ -49,7 +51,7 @@ def route(cfg: ModelConfig, logits: np.ndarray, bias: np.ndarray | None) -> tupl
     choice = scores + bias if (cfg.topk_method == "noaux_tc" and bias is not None) else scores
     if cfg.topk_method == "noaux_tc" and G > 1:
         grouped = np.sort(choice.reshape(len(choice), G, -1), axis=-1)
-        choice = _keep_groups(choice, grouped[..., -2:].sum(-1), cfg.topk_group, -np.inf)
+        choice = _keep_groups(choice, grouped[..., -2:].sum(-1), cfg.topk_group, 0.0)
     elif cfg.topk_method == "group_limited_greedy" and G > 1:
         choice = _keep_groups(choice, choice.reshape(len(choice), G, -1).max(-1), cfg.topk_group, 0.0)
     idx = _top_k(choice, k)

@@ -101,7 +101,7 @@ def _route(c, logits, bias):
         keep = np.argsort(-gs, kind="stable")[: c["topk_group"]]
         mask = np.zeros(G, bool)
         mask[keep] = True
-        ch = np.where(np.repeat(mask, E // G), ch, -np.inf)
+        ch = np.where(np.repeat(mask, E // G), ch, 0.0)  # (transformers' masked_fill value)
     idx = np.argsort(-ch, kind="stable")[:k]
     w = s[idx]
     if c.get("norm_topk_prob", True):

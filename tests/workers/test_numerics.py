@@ -86,3 +86,28 @@ def test_yarn_attention_factor_matches_transformers(tiny, extra, form):
     assert r.attention_factor == pytest.approx(_hf_attention_factor(rs), rel=1e-12)
     m = 0.1 * (rs.get("mscale_all_dim") or 0) * math.log(40) + 1.0  # softmax scale: mscale_all_dim only
     assert r.softmax_scale == pytest.approx((16 + 64) ** -0.5 * m * m, rel=1e-12)
+
+
+def test_noaux_tc_group_mask_is_transformers_zero_fill(tiny):
+    """With a negative correction bias the kept group's choices are negative: transformers'
+    get_topk_indices sets the dropped groups' choices to 0.0 (masked_fill), so experts of a
+    dropped group can be picked; route() used -inf and never picked them."""
+    raw = json.loads((tiny() / "config.json").read_text())
+    raw.update(n_group=2, topk_group=1, num_experts_per_tok=4, topk_method="noaux_tc",
+               scoring_func="sigmoid")
+    cfg = ModelConfig.from_dict(raw)
+    E, G, k = cfg.n_routed_experts, 2, 4
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((16, E)).astype(np.float32)
+    bias = np.full(E, -0.6, np.float32)
+    choice = _exact_sigmoid(logits).astype(np.float32) + bias
+    top2 = np.sort(choice.reshape(-1, G, E // G), -1)[..., -2:].sum(-1)
+    keep = np.argsort(-top2, -1, kind="stable")[:, :1]
+    mask = np.zeros_like(top2, bool)
+    np.put_along_axis(mask, keep, True, -1)
+    masked = np.where(np.repeat(mask, E // G, axis=1), choice, 0.0)
+    want = np.sort(np.argsort(-masked, -1, kind="stable")[:, :k], -1)
+    idx, _ = route(cfg, logits, bias)
+    assert np.array_equal(np.sort(idx, -1), want)
+    dropped = ~np.take_along_axis(np.repeat(mask, E // G, axis=1), idx, -1)
+    assert dropped.any()  # the case the fill value decides
