@@ -86,6 +86,8 @@ class ShardedGroup:
                          i["device"], i["host"], i["pid"], i["slots"], i["experts"])
         lost = [i for i, info in enumerate(self.info) if info is None]
         if lost:  # before the first step: the survivors take the experts, the slots are gone
+            for _ in lost:  # (deaths the scheduler never sees: counted here, none requeued)
+                self.metrics.worker_died(0)
             self._recover(lost)
 
     # -- steps ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Job metrics, exported through ray.util.metrics (Prometheus via the Ray metrics agent).
 
     kvfleet_tokens_generated          Counter    tokens sampled (EOS included)
-    kvfleet_decode_tokens_per_s       Gauge      tokens of the last step / its wall time
+    kvfleet_decode_tokens_per_s       Gauge      tokens of the last decode-only step / its wall
+                                                 time (steps with prefill rows leave it)
     kvfleet_time_to_first_token_s     Histogram  admission -> first sampled token
     kvfleet_queue_depth               Gauge      requests waiting for a slot
     kvfleet_active_slots              Gauge      sequences holding a slot
@@ -43,7 +44,7 @@ class JobMetrics:
             from ray.util import metrics as m
             self._ray = {
                 "tokens": m.Counter("kvfleet_tokens_generated", "tokens sampled"),
-                "tps": m.Gauge("kvfleet_decode_tokens_per_s", "tokens per second, last step"),
+                "tps": m.Gauge("kvfleet_decode_tokens_per_s", "tokens per second, last decode step"),
                 "ttft": m.Histogram("kvfleet_time_to_first_token_s", "admission to first token",
                                     boundaries=TTFT_BOUNDARIES),
                 "queue": m.Gauge("kvfleet_queue_depth", "requests waiting for a slot"),
@@ -62,6 +63,14 @@ class JobMetrics:
                 "kv_cache": m.Counter("kvfleet_kv_cache", "saved-KV events and token counts",
                                       tag_keys=("event",)),
             }
+            # A counter's series appears at its first increment, so Prometheus's increase()
+            # and rate() miss that first step (a job's only worker death read as 0): the
+            # untagged counters start on the endpoint at 0. (Counter.inc refuses 0; _record
+            # is what it calls.)
+            for k in ("tokens", "deaths", "moved", "requeued"):
+                record = getattr(self._ray[k], "_record", None)
+                if record is not None:
+                    record(0)
 
     def queue(self, waiting: int, active: int) -> None:
         if not self.enabled:
@@ -72,16 +81,20 @@ class JobMetrics:
             self._ray["queue"].set(waiting)
             self._ray["active"].set(active)
 
-    def step(self, tokens: int, wall_s: float) -> None:
+    def step(self, tokens: int, wall_s: float, decode: bool = True) -> None:
+        """A step's sampled tokens; the decode rate gauge follows decode-only steps (a step
+        with prefill rows samples few tokens in a long step: it is not a decode rate)."""
         if not self.enabled:
             return
         self.local["tokens_generated"] += tokens
         rate = tokens / wall_s if wall_s > 0 else 0.0
-        self.local["decode_tokens_per_s"] = rate
+        if decode:
+            self.local["decode_tokens_per_s"] = rate
         if self._ray:
             if tokens:
                 self._ray["tokens"].inc(tokens)
-            self._ray["tps"].set(rate)
+            if decode:
+                self._ray["tps"].set(rate)
 
     def ttft(self, seconds: float) -> None:
         if not self.enabled:

@@ -319,7 +319,7 @@ class Scheduler:
             st.decode_forward_s += fwd
             st.decode_driver_s += driver
             st.decode_tokens += n_tok
-        self.metrics.step(n_tok, wall)
+        self.metrics.step(n_tok, wall, decode=n_prompt == 0)
         st.kv_bytes_peak = max(st.kv_bytes_peak, sum(o.kv_bytes for o in outs.values()))
         for w, o in outs.items():
             for k, n in o.cache_events.items():

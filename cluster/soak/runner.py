@@ -145,18 +145,41 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
 
 class RatioGauge:
     """Publishes each round's B/A ratios as the `kvfleet_soak_ratio` gauge (tag `metric`),
-    so a dashboard shows them while a long soak runs."""
+    so a dashboard shows them while a long soak runs. Ray exports a gauge only for about
+    twice its report interval after its last set (~20 s), and a round pair takes minutes:
+    a thread sets the last ratios again every `every_s` until stop()."""
     METRICS = ("throughput_tok_s", "ttft_median_s", "decode_tok_s_median", "kv_bytes", "rss_bytes")
 
-    def __init__(self):
+    def __init__(self, every_s: float = 5.0):
+        import threading
         from ray.util.metrics import Gauge
         self.gauge = Gauge("kvfleet_soak_ratio", "B/A ratio of the last soak round",
                            tag_keys=("metric",))
+        self.last: dict[str, float] = {}
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._keep, args=(every_s,), daemon=True,
+                                        name="soak-ratio-gauge")
+        self._thread.start()
 
     def publish(self, a: dict, b: dict) -> None:
-        for m in self.METRICS:
-            if a.get(m) and b.get(m) is not None:
-                self.gauge.set(b[m] / a[m], tags={"metric": m})
+        with self._lock:
+            for m in self.METRICS:
+                if a.get(m) and b.get(m) is not None:
+                    self.last[m] = b[m] / a[m]
+            self._set()
+
+    def _set(self) -> None:
+        for m, v in self.last.items():
+            self.gauge.set(v, tags={"metric": m})
+
+    def _keep(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            with self._lock:
+                self._set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def run_soak(plan: SoakPlan) -> tuple[dict, int]:
@@ -208,6 +231,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     finally:
         if killer:
             killer.stop()
+        if ratios:
+            ratios.stop()
         if started:
             ray.shutdown()
     rounds = pd.DataFrame(list(rows))

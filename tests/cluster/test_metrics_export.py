@@ -71,6 +71,13 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
              dashboard_port=dashboard_port, _metrics_export_port=port)
     try:
+        # 0. the untagged counters are on the endpoint at 0 before their first increment
+        # (else increase() / rate() miss that step: a job's only death read as 0)
+        from cluster.metrics import JobMetrics
+        JobMetrics(use_ray=True)
+        _wait_for(port, lambda g: all(g.get(f"ray_kvfleet_{n}_total") == 0 for n in (
+            "worker_deaths", "requests_requeued", "experts_moved", "tokens_generated")),
+            "the counters at 0")
         model = make_tiny(tmp_path / "model")
         prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(24, seed=9, max_tokens=48))
         cfg = load_job_config(None, env={}, overrides={

@@ -320,3 +320,10 @@ def test_no_live_slot_left_fails_the_waiting_requests():
     failed = [r for r in results if r.finish_reason == "error"]
     assert failed and all(r.error == "no live worker left" for r in failed)
     assert stats.worker_deaths == 1 and stats.recoveries == 0
+
+
+def test_decode_rate_gauge_follows_decode_only_steps():
+    m = JobMetrics(use_ray=False)
+    m.step(40, 1.0)
+    m.step(3, 1.0, decode=False)  # a step with prefill rows: few tokens, a long step
+    assert m.local["decode_tokens_per_s"] == 40 and m.local["tokens_generated"] == 43

@@ -91,3 +91,30 @@ def test_used_output_directory_is_refused(tmp_path):
     with pytest.raises(UsageError, match="not a new or empty directory"):
         runner.run_soak(plan)
     assert (out / "rounds" / "r000_A.parquet").read_bytes() == b"old"  # nothing touched
+
+
+def test_ratio_gauge_is_set_again_until_stopped(monkeypatch):
+    """Ray exports a gauge ~20 s after its last set; a round pair takes minutes, so the
+    last ratios are set again every every_s (the dashboard panel was empty most of the time)."""
+    import time as _time
+
+    import ray.util.metrics
+
+    sets = []
+
+    class FakeGauge:
+        def __init__(self, *a, **kw):
+            pass
+
+        def set(self, value, tags):
+            sets.append((tags["metric"], value))
+
+    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeGauge)
+    g = runner.RatioGauge(every_s=0.02)
+    g.publish({"throughput_tok_s": 100.0, "kv_bytes": 0}, {"throughput_tok_s": 97.0, "kv_bytes": 5})
+    _time.sleep(0.2)
+    g.stop()
+    n = len(sets)
+    assert n >= 4 and set(sets) == {("throughput_tok_s", 0.97)}  # (a zero A is left out)
+    _time.sleep(0.1)
+    assert len(sets) == n  # stopped
