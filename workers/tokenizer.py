@@ -2,6 +2,10 @@
 
 EOS ids are the union of config.json's and generation_config.json's `eos_token_id` (each an
 int or a list): generation stops on any of them.
+
+A text prompt is encoded as Hugging Face tokenizers and vLLM encode one by default: with the
+special tokens that tokenizer.json's post-processor adds (a BOS for the DeepSeek-V3 family;
+nothing for a tokenizer without one, like kvfleet-mini's). `encode` alone adds none.
 """
 from __future__ import annotations
 
@@ -57,6 +61,10 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A request's text prompt: with the post-processor's special tokens (see above)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

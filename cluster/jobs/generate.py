@@ -129,7 +129,7 @@ def _prepare(r: Request, cfg: JobConfig, tok, vocab: int) -> Prepared | InputErr
     def bad(why: str) -> InputError:
         return InputError(r.line, f"line {r.line}: {why}", r.id, r.prompt)
 
-    ids = np.asarray(r.prompt_tokens if r.prompt_tokens is not None else tok.encode(r.prompt),
+    ids = np.asarray(r.prompt_tokens if r.prompt_tokens is not None else tok.encode_prompt(r.prompt),
                      np.int64)
     if ids.size == 0:
         return bad("empty prompt (no tokens after tokenization)")

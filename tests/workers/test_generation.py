@@ -20,6 +20,30 @@ def test_tokenizer_roundtrip_and_eos(tiny):
     assert Tokenizer.from_dir(tiny("multi_eos")).eos_ids == (1, 2)
 
 
+def test_text_prompts_get_the_post_processors_special_tokens(tiny, tmp_path):
+    """As HF tokenizers and vLLM encode a prompt: a tokenizer.json whose post-processor adds
+    a BOS gives it to encode_prompt (kvfleet dropped it); encode adds none; kvfleet-mini's
+    tokenizer has no post-processor, so its prompts are unchanged."""
+    import shutil
+    d = tmp_path / "bos"
+    shutil.copytree(tiny(), d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    bos = spec["added_tokens"][0]
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": bos["content"], "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {bos["content"]: {"id": bos["content"],
+                                                                  "ids": [bos["id"]],
+                                                                  "tokens": [bos["content"]]}}}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    tok, plain = Tokenizer.from_dir(d), Tokenizer.from_dir(tiny())
+    text = "the quick brown fox"
+    assert tok.encode_prompt(text) == [bos["id"]] + tok.encode(text)
+    assert plain.encode_prompt(text) == plain.encode(text)
+
+
 def test_score_command_prefill_and_decode(tiny, tmp_path, capsys):
     d = tiny()
     ids = [3, 200, 45, 9, 311, 77]
