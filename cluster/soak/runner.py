@@ -1,7 +1,9 @@
 """`kvfleet soak`: the same prompts on arm A and (optionally) arm B, interleaved A B A B, each
 round one `python -m cluster generate` run on a shared Ray cluster, until --rounds are done
-or --duration is spent (a round still running when the time is spent is cut: logged and left
-out of the summary, so a duration never counts its last requests as lost).
+or --duration is spent. A round that has started runs to its end: past the duration it
+still gets twice the longest earlier round (so the last round of a --duration soak is
+not killed for running late), and a round that takes longer than its limit is a timeout
+whose unserved requests count as lost.
 
 Each round runs in its arm's working directory (another checkout of the code, or this one),
 joins the soak's Ray cluster through RAY_ADDRESS, and leaves a Parquet of results and a
@@ -79,7 +81,16 @@ def _served_keys(req: pd.DataFrame) -> set[str]:
     return {result_key(None if pd.isna(i) else str(i), int(n)) for i, n in zip(req.id, req.line)}
 
 
-def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, deadline: float) -> dict:
+def round_timeout(plan: SoakPlan, deadline: float, walls: list[float]) -> float:
+    """Seconds a round may run: round_timeout_s, at most the time left to the duration but
+    never less than twice the longest earlier round (the first round: round_timeout_s)."""
+    if not walls:
+        return plan.round_timeout_s
+    return max(1.0, min(plan.round_timeout_s,
+                        max(deadline - time.monotonic(), 2.0 * max(walls))))
+
+
+def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: float) -> dict:
     rdir = plan.out / "rounds"
     stem = f"r{rnd:03d}_{arm.key}"
     out, stats, logf = rdir / f"{stem}.parquet", rdir / f"{stem}.stats.json", rdir / f"{stem}.log"
@@ -92,14 +103,12 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, deadline: f
            "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
            "--stats", str(stats.resolve())]
     start = time.time()
-    left = deadline - time.monotonic()
-    timeout = max(1.0, min(plan.round_timeout_s, left))
     with open(logf, "w") as lf:
         try:
             rc = subprocess.run(cmd, cwd=wd, env=env, stdout=lf, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
-        except subprocess.TimeoutExpired:  # ("cut": stopped by --duration, not by its own limit)
-            rc = "cut" if left < plan.round_timeout_s else "timeout"
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
     end = time.time()
     return {"round": rnd, "arm": arm.key, "label": arm.label, "start_s": start, "end_s": end,
             "returncode": str(rc), "parquet": out, "stats": stats, "log": logf}
@@ -218,10 +227,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 if killer:
                     killer.round = (rnd, arm.key)
                 log.info("soak round %d arm %s (%s)", rnd, arm.key, arm.label)
-                meta = _run_round(plan, arm, rnd, address, deadline)
-                if meta["returncode"] == "cut":
-                    log.info("soak round %d arm %s cut by --duration: left out", rnd, arm.key)
-                    break
+                timeout = round_timeout(plan, deadline, [r["wall_s"] for r in rows])
+                meta = _run_round(plan, arm, rnd, address, timeout)
                 row, req = _round_rows(meta, expected)
                 rows.append(row)
                 reqs.append(req)

@@ -63,24 +63,33 @@ def test_round_env_keeps_the_arms_config(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFLEET_KEEP_ME", "yes")
     (tmp_path / "rounds").mkdir()
     plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=_prompts(tmp_path), out=tmp_path)
-    meta = runner._run_round(plan, plan.arms[0], 0, "127.0.0.1:1", deadline=1e18)
+    meta = runner._run_round(plan, plan.arms[0], 0, "127.0.0.1:1", timeout=60.0)
     assert meta["returncode"] == "0"
     assert "KV8" not in seen and "KVFLEET_SLOTS" not in seen and seen["KVFLEET_KEEP_ME"] == "yes"
     assert seen["RAY_ADDRESS"] == "127.0.0.1:1"
 
 
-def test_round_stopped_by_the_duration_is_cut_not_timed_out(tmp_path, monkeypatch):
+def test_a_started_round_may_run_past_the_duration_but_a_hang_is_a_timeout(tmp_path, monkeypatch):
+    """The last round of a --duration soak gets twice the longest earlier round even when the
+    duration is spent (it was killed and its requests counted lost); a round that takes
+    longer than its limit is a timeout, whose rows then count as lost (not dropped)."""
+    plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=_prompts(tmp_path), out=tmp_path,
+                           round_timeout_s=600.0)
+    now = runner.time.monotonic()
+    assert runner.round_timeout(plan, now + 1e6, []) == 600.0  # first round: its own limit
+    assert runner.round_timeout(plan, now + 5, [40.0, 70.0]) == pytest.approx(140.0)
+    assert runner.round_timeout(plan, now + 300, [40.0]) == pytest.approx(300.0, abs=1.0)
+    assert runner.round_timeout(plan, now - 50, [400.0]) == 600.0
+
     def fake_run(cmd, timeout, **kw):
         raise subprocess.TimeoutExpired(cmd, timeout)
 
     monkeypatch.setattr(runner.subprocess, "run", fake_run)
     (tmp_path / "rounds").mkdir()
-    plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=_prompts(tmp_path), out=tmp_path,
-                           round_timeout_s=600.0)
-    now = runner.time.monotonic()
-    assert runner._run_round(plan, plan.arms[0], 0, "x", deadline=now + 5)["returncode"] == "cut"
-    assert runner._run_round(plan, plan.arms[0], 0, "x", deadline=now + 1e6)["returncode"] \
-        == "timeout"
+    meta = runner._run_round(plan, plan.arms[0], 0, "x", timeout=1.0)
+    assert meta["returncode"] == "timeout"
+    row, _ = runner._round_rows(meta, runner._expected_keys(plan.prompts))
+    assert row["lost_requests"] == 4  # nothing was served: every line is lost
 
 
 def test_used_output_directory_is_refused(tmp_path):
