@@ -118,33 +118,41 @@ class ShardedGroup:
 
     def _run(self, batches: dict[int, StepBatch], grace_s: float = 30.0) -> dict[int, Any]:
         """Each worker's step result or error. Once a step has failed, the ones still running
-        get grace_s more and then count as failed (TimeoutError), so that a hung worker
-        (whose peers' expert calls timed out) is pinged and killed by _find_dead instead of
-        holding the group forever."""
+        get grace_s more; then they are pinged: one that does not answer (hung: its peers'
+        expert calls timed out) counts as failed, so _find_dead kills it instead of it holding
+        the group forever; one that answers is only slow, and is waited for."""
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
-        return collect_steps(ray, refs, {i: self.names[i] for i in refs}, grace_s)
+        return collect_steps(ray, refs, {i: self.names[i] for i in refs}, grace_s, self._silent)
 
     def is_dead(self, worker: int, exc: BaseException) -> bool:
         return worker in self.dead
 
 
     # -- failures -------------------------------------------------------------------------
-    def _find_dead(self, timeout_s: float = 30.0) -> list[int]:
-        """Ping every live worker in its experts group (answers even mid-step)."""
+    def _silent(self, workers, timeout_s: float = 30.0) -> dict[int, str]:
+        """Ping `workers` in their experts group (answers even mid-step): those that do not
+        answer, with why."""
         import ray
-        live = [i for i in range(len(self.actors)) if i not in self.dead]
-        refs = {i: self.actors[i].alive.options(concurrency_group=EXPERT_GROUP).remote() for i in live}
-        dead = []
+        refs = {i: self.actors[i].alive.options(concurrency_group=EXPERT_GROUP).remote()
+                for i in workers}
+        silent = {}
         deadline = time.monotonic() + timeout_s
         for i, ref in refs.items():
             try:
                 ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                log.error("worker %s is gone: %s", self.names[i], type(e).__name__)
-                ray.kill(self.actors[i], no_restart=True)  # a hung one must not come back
-                dead.append(i)
-        return dead
+                silent[i] = type(e).__name__
+        return silent
+
+    def _find_dead(self, timeout_s: float = 30.0) -> list[int]:
+        """Ping every live worker; kill and return those that do not answer."""
+        import ray
+        silent = self._silent([i for i in range(len(self.actors)) if i not in self.dead], timeout_s)
+        for i, why in silent.items():
+            log.error("worker %s is gone: %s", self.names[i], why)
+            ray.kill(self.actors[i], no_restart=True)  # a hung one must not come back
+        return list(silent)
 
     def _recover(self, dead: list[int]) -> None:
         import ray
@@ -261,9 +269,11 @@ def _why(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
-def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float) -> dict[int, Any]:
-    """ray.get of every ref (an error as its value); after the first error the rest have
-    grace_s seconds, then each is a TimeoutError."""
+def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float,
+                  silent=lambda workers: {i: "no ping" for i in workers}) -> dict[int, Any]:
+    """ray.get of every ref (an error as its value). After the first error the rest have
+    grace_s seconds; then `silent(workers)` (the ones that do not answer a ping) get a
+    TimeoutError, and the ones that answer are waited for."""
     out: dict[int, Any] = {}
     pending = dict(refs)
     deadline = None
@@ -271,10 +281,14 @@ def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: flo
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=timeout)
         if not ready:
-            for i in pending:
+            hung = silent(list(pending))
+            for i in hung:
+                pending.pop(i)
                 out[i] = TimeoutError(f"worker {names[i]}: its step still runs {grace_s:g} s "
-                                      f"after another worker's step failed")
-            break
+                                      f"after another worker's step failed, and it does not "
+                                      f"answer a ping ({hung[i]})")
+            deadline = None  # the ones that answered: slow, not hung
+            continue
         for i in [i for i, r in pending.items() if r in ready]:
             try:
                 out[i] = ray.get(pending.pop(i))
