@@ -31,9 +31,6 @@ from kvstore.fingerprint import Fingerprint
 
 FORMATS: dict[str, type[CacheFile]] = {"arrow": ArrowKVFile, "coli": ColiKVFile}
 MAX_STEM = 80
-# The hashed form before "~": stem-sha1[:10]. A clean name of that form may be the old file
-# of another (unclean) name, so it is hashed too.
-_OLD_HASHED = re.compile(r"-[0-9a-f]{10}\Z")
 
 
 class SlotBusyError(RuntimeError):
@@ -43,7 +40,7 @@ class SlotBusyError(RuntimeError):
 def slot_filename(name: str, suffix: str) -> str:
     """A safe, collision-free file name for slot `name` (see the module docstring)."""
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:MAX_STEM]
-    if stem == name and stem and not _OLD_HASHED.search(name):
+    if stem == name and stem:
         return name + suffix
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:20]
     return f"{stem or 'slot'}~{digest}{suffix}"
