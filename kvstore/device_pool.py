@@ -148,9 +148,7 @@ class DevicePool(KVPool):
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot, downloaded to the host (for disk I/O)."""
-        self._check_slot(slot)
-        end = self.length(slot) if end is None else end
-        pos = np.arange(start, end)
+        pos = self._span(slot, start, end)  # (KVPool's bounds: never another slot's block)
         blk = cp.asarray(self.block_tables[slot, pos // self.block_size])
         off = cp.asarray(pos % self.block_size)
         p = self.planes[layer]

@@ -78,9 +78,7 @@ class MLXKVPool(KVPool):
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot as numpy arrays (for the disk formats)."""
-        self._check_slot(slot)
-        end = self.length(slot) if end is None else end
-        pos = np.arange(start, end)
+        pos = self._span(slot, start, end)  # (KVPool's bounds: never another slot's block)
         blk = mx.array(self.block_tables[slot, pos // self.block_size].astype(np.int32))
         off = mx.array((pos % self.block_size).astype(np.int32))
         p = self.planes[layer]

@@ -243,3 +243,19 @@ def test_fast_rotation_is_the_same_transform(n):
                                rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.array(rotation.unrotate_fast(rotation.rotate_fast(x))),
                                np.array(x), rtol=0, atol=1e-5)
+
+
+def test_mlx_pool_reads_only_a_slots_own_rows():
+    """MLXKVPool.read_rows has KVPool's bounds: rows past a slot's length are refused (the -1
+    of an unused block-table entry indexed another slot's block)."""
+    from kernels.metal.pool import MLXKVPool
+    pool = MLXKVPool(1, 64, 16, "kv8", n_blocks=6, block_size=4, max_slots=3)
+    rng = np.random.default_rng(7)
+    a, b = pool.alloc_slot(), pool.alloc_slot()
+    for s in (a, b):
+        pool.write(0, np.full(12, s), rng.permutation(12), rng.standard_normal((12, 64)).astype(np.float32),
+                   rng.standard_normal((12, 16)).astype(np.float32))
+    pool.truncate(a, 3)
+    assert len(pool.read_rows(a, 0)[0]) == 3
+    with pytest.raises(ValueError, match=r"slot 0: rows \[0, 8\) are outside its 3 written tokens"):
+        pool.read_rows(a, 0, 0, 8)
