@@ -53,8 +53,14 @@ class ResultStore:
 
     def _check_settings(self) -> None:
         for path, found in self._settings_found():
-            if found is None:
-                continue  # written before settings were recorded
+            if found is None:  # written before settings were recorded: its rows' tier at least
+                tiers = set(pq.read_table(path, columns=["tier"]).column("tier").to_pylist())
+                if tiers - {self.settings.get("kv")}:
+                    raise JobConfigError(f"--out {self.out}: {path.name} holds results of tier "
+                                         f"{sorted(t for t in tiers if t)}; this run has kv "
+                                         f"{self.settings.get('kv')!r}. Give another --out, or "
+                                         f"the same tier to resume")
+                continue
             diff = sorted(k for k in set(found) | set(self.settings)
                           if found.get(k) != self.settings.get(k))
             if diff:

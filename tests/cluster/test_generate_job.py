@@ -216,3 +216,18 @@ def test_local_ray_has_a_cpu_for_every_worker(tiny):
     cfg = config(tiny, workers={"count": 3, "ray_num_cpus": 2})
     with pytest.raises(JobConfigError, match="ray_num_cpus=2 is fewer than the 3 CPUs"):
         local_cpus(cfg, worker_placements(cfg))
+
+
+def test_resume_of_a_file_without_settings_checks_its_tier(tiny, tmp_path):
+    """A results file written before settings were recorded: a rerun with another tier is
+    refused by its rows' tier column (it was accepted, then stamped with the new settings)."""
+    from cluster.config import JobConfigError
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(3))
+    out = tmp_path / "out.parquet"
+    run_generate(config(tiny), prompts, out, limit=2, progress=False)
+    old = pq.read_table(out)
+    pq.write_table(old.replace_schema_metadata(None), out)  # as an earlier release wrote it
+    with pytest.raises(JobConfigError, match=r"holds results of tier \['f32'\]; this run has kv 'kv8'"):
+        run_generate(config(tiny, kv="kv8"), prompts, out, progress=False)
+    s = run_generate(config(tiny), prompts, out, progress=False)
+    assert s.skipped == 2 and pq.read_table(out).num_rows == 3
