@@ -199,7 +199,10 @@ def fsync_dir(path: str) -> None:
 
 
 def write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    if view.nbytes == 0:  # (cast refuses a view with a zero in its shape: no records)
+        return
+    view = view.cast("B")
     while view:
         n = os.write(fd, view)
         view = view[n:]

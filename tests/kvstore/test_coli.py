@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 
 import numpy as np
@@ -260,3 +261,12 @@ def test_writer_refuses_a_file_renamed_over_its_own(tmp_path, op):
     assert same(ColiKVFile(p, FP, "kv8").load(), theirs)
     f.load()  # a reload adopts the new file
     assert f.append(records(FP, "kv8", 1, seed=64)) == 10
+
+
+def test_rewrite_with_no_records_writes_a_bare_header(tmp_path):
+    """(kv convert of an empty Arrow cache to .coli_kv raised a TypeError in write_all)"""
+    path = str(tmp_path / "empty.coli_kv")
+    ColiKVFile(path, FP, "kv8").rewrite(records(FP, "kv8", 3).slice(0, 0))
+    f = ColiKVFile(path, FP, "kv8")
+    assert len(f.load()) == 0 and f.message is None
+    assert os.path.getsize(path) == 40  # the header alone
