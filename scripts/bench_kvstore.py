@@ -64,16 +64,20 @@ def bench(fp, tier, fmt, n, chunk, tmp, repeat, rng):
     cls = FORMATS[fmt]
     best = {"bulk": 1e9, "chunked": 1e9, "load": 1e9}
 
-    def save(step):
+    def fresh():  # (outside the timing: deleting a full-size file costs 35-55 ms)
         if os.path.exists(path):
             os.unlink(path)
+
+    def save(step):
         f = cls(path, fp, tier)
         f.load()
         for s in range(0, n, step):
             f.append(recs.slice(s, min(n, s + step)))
 
     for _ in range(repeat):
+        fresh()
         best["chunked"] = min(best["chunked"], timed(lambda: save(chunk)))
+        fresh()
         best["bulk"] = min(best["bulk"], timed(lambda: save(n)))
         best["load"] = min(best["load"], timed(lambda: cls(path, fp, tier).load()))
     got = cls(path, fp, tier).load()
