@@ -297,14 +297,16 @@ def bench_cpu(args) -> dict:
                 qr = rng.standard_normal((B, 1, H, DR), dtype=np.float32)
                 pos = np.full((B, 1), T - 1)
                 times = []
-                for _ in range(max(1, min(args.repeat, 3))):
+                for i in range(1 + args.repeat):  # (the first call is a warm-up, untimed)
                     t0 = time.perf_counter()
                     paged_mla_attention(tier, planes, tables, ql, qr, pos, SCALE,
                                         counter=WorkCounter())
-                    times.append(time.perf_counter() - t0)
+                    if i:
+                        times.append(time.perf_counter() - t0)
                 t = statistics.median(times)
                 nbytes = B * T * tier.token_bytes(DL, DR)
                 rows.append({"tier": tier_name, "B": B, "T": T, "H": H, "ms": 1e3 * t,
+                             "repeats": len(times),
                              "GB_per_s": nbytes / t / 1e9,
                              "TFLOP_per_s": B * T * flops_per_token(H) / t / 1e12})
     return {"backend": "cpu", "rows": rows}
