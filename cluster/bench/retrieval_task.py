@@ -75,11 +75,11 @@ def oracle_items(n_items: int, context_tokens: int, per_doc: int = 8,
     items: list[Item] = []
     doc = 0
     while len(items) < n_items:
-        k = min(per_doc, n_items - len(items))
+        k = min(per_doc, n_items - len(items), n_pairs)  # (a short context: more documents)
         keys = rng.choice(KEY_SPACE, size=n_pairs, replace=False)
         values = rng.integers(0, KEY_SPACE, size=n_pairs)
         pool = n_pairs // 2 if n_pairs // 2 >= k else n_pairs
-        asked = rng.choice(pool, size=k, replace=pool < k)
+        asked = rng.choice(pool, size=k, replace=False)
         body = "".join(pair_line(int(a), int(b)) for a, b in zip(keys, values))
         items += [Item(body=body, question=question(int(keys[a])), answer=answer(int(values[a])),
                        doc=doc, depth=n_pairs - int(a)) for a in asked]

@@ -107,3 +107,12 @@ def test_usage_errors(capsys, tmp_path):
     (bare / "heldout.txt").unlink()
     assert cli.main(["bench", "quality", "--model", str(bare), *SMALL]) == 2
     assert "no heldout.txt" in capsys.readouterr().err
+
+
+def test_short_context_questions_stay_distinct():
+    """A document with fewer pairs than --per-doc (80 tokens: 6 pairs for 8 questions) asked
+    some pairs twice; now each document's questions are distinct and more documents follow."""
+    items = rt.oracle_items(8, 80)
+    assert len(items) == 8
+    asked = [(it.doc, it.question) for it in items]
+    assert len(set(asked)) == len(asked) and len({it.doc for it in items}) >= 2
