@@ -17,9 +17,14 @@ Subclasses implement the byte format: `_read` (header + the good record prefix),
 `_write_new` (a whole file; returns the format's state for it, which `_adopt` installs only
 once the file has replaced the old one), `_append` (one durable append at the current end),
 `_cut` (drop records after n, at a commit boundary the subclass chooses).
+
+Writers write in place only into the file they loaded or wrote (`open_loaded`): if its path
+now names another file (one renamed over it without the slot lock), a write at the old
+offsets would land inside that file, so it is an OSError instead.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -30,6 +35,31 @@ from kvstore.fingerprint import Fingerprint, HeaderError, LoadPlan, plan_load
 from kvstore.records import KVRecords, RecordLayout, requantize, sanitize
 
 log = logging.getLogger(__name__)
+
+
+def file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def check_loaded(path: str, loaded: tuple[int, int] | None,
+                 st: os.stat_result | None = None) -> None:
+    """An OSError naming the file if `path` (or its stat `st`) is no longer the file whose
+    file_id this writer took at load or write."""
+    if file_id(st or os.stat(path)) != loaded:
+        raise OSError(errno.ESTALE, f"{path}: replaced by another file since this writer loaded "
+                                    f"it (another writer, e.g. kvfleet kv convert, renamed a file "
+                                    f"over it); not writing at the old offsets")
+
+
+def open_loaded(path: str, loaded: tuple[int, int] | None, flags: int) -> int:
+    """os.open(path, flags), if path still names the file `loaded` (check_loaded)."""
+    fd = os.open(path, flags)
+    try:
+        check_loaded(path, loaded, os.fstat(fd))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass
@@ -48,6 +78,7 @@ class CacheFile:
     """Base class; see the module docstring. Not thread-safe; one writer per file (slots.py)."""
 
     suffix = ""
+    _file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file loaded or written
 
     def __init__(self, path: str | os.PathLike, fp: Fingerprint, tier: Tier | str):
         self.path = os.fspath(path)
@@ -155,9 +186,12 @@ class CacheFile:
     def _heal(self) -> None:
         if self._heal_to is not None:
             log.warning("%s: self-heal: cutting torn tail at byte %d", self.path, self._heal_to)
-            with open(self.path, "r+b") as f:
-                f.truncate(self._heal_to)
-                os.fsync(f.fileno())
+            fd = open_loaded(self.path, self._file_id, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, self._heal_to)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             self._heal_to = None
 
     def _replace(self, recs: KVRecords) -> None:

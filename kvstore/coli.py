@@ -17,20 +17,15 @@
 The writer appends records after the last committed one, fsyncs, then writes nrec and
 fsyncs again, so a crash leaves at most uncommitted bytes past nrec, which the next open
 for writing cuts off. A reader stops at the first short record (nrec = records read).
-
-Both formats write in place only into the file they loaded or wrote (`open_loaded`): if
-its path now names another file (one renamed over it without the slot lock), a write at
-the old offsets would land inside that file, so it is an OSError instead.
 """
 from __future__ import annotations
 
-import errno
 import os
 import struct
 
 import numpy as np
 
-from kvstore.cachefile import CacheFile, FileContents, write_all
+from kvstore.cachefile import CacheFile, FileContents, file_id, open_loaded, write_all
 from kernels.tiers import TierError, tier_from_tag
 from kvstore.fingerprint import Fingerprint, HeaderError
 from kvstore.records import KVRecords, RecordLayout
@@ -62,35 +57,9 @@ def read_header(path: str) -> tuple[int, Fingerprint, int, int, int]:
     return MAGICS[head[:8]], fp, h[6], h[7], size
 
 
-def file_id(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def check_loaded(path: str, loaded: tuple[int, int] | None,
-                 st: os.stat_result | None = None) -> None:
-    """An OSError naming the file if `path` (or its stat `st`) is no longer the file whose
-    file_id this writer took at load or write."""
-    if file_id(st or os.stat(path)) != loaded:
-        raise OSError(errno.ESTALE, f"{path}: replaced by another file since this writer loaded "
-                                    f"it (another writer, e.g. kvfleet kv convert, renamed a file "
-                                    f"over it); not writing at the old offsets")
-
-
-def open_loaded(path: str, loaded: tuple[int, int] | None, flags: int) -> int:
-    """os.open(path, flags), if path still names the file `loaded` (check_loaded)."""
-    fd = os.open(path, flags)
-    try:
-        check_loaded(path, loaded, os.fstat(fd))
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
 class ColiKVFile(CacheFile):
     suffix = ".coli_kv"
     _fix_nrec: int | None = None  # set by _read when the commit word must be rewritten
-    _file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file loaded or written
 
     def _read(self) -> FileContents:
         self._file_id = file_id(os.stat(self.path))
@@ -125,8 +94,6 @@ class ColiKVFile(CacheFile):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        elif self._heal_to is not None:
-            check_loaded(self.path, self._file_id)  # the base class truncates by path
         self._fix_nrec = None
         super()._heal()
 

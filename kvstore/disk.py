@@ -50,8 +50,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kernels.tiers import TierError, tier_from_tag
-from kvstore.cachefile import CacheFile, FileContents, write_all
-from kvstore.coli import check_loaded, file_id, open_loaded
+from kvstore.cachefile import CacheFile, FileContents, check_loaded, file_id, open_loaded, write_all
 from kvstore.fingerprint import FIELDS, Fingerprint, HeaderError
 from kvstore.records import KVRecords, RecordLayout
 
@@ -121,7 +120,6 @@ def batch_crc(start: int, tokens: np.ndarray, payload: np.ndarray) -> int:
 
 class ArrowKVFile(CacheFile):
     suffix = ".arrow"
-    _file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file loaded or written
 
     @cached_property
     def schema(self) -> pa.Schema:
@@ -216,11 +214,6 @@ class ArrowKVFile(CacheFile):
 
     def _adopt(self, state: tuple[list, tuple[int, int]]) -> None:
         self._bounds, self._file_id = state
-
-    def _heal(self) -> None:
-        if self._heal_to is not None:
-            check_loaded(self.path, self._file_id)  # the base class truncates by path
-        super()._heal()
 
     def _append(self, recs: KVRecords, start: int) -> None:
         end = self._bounds[-1][1]
