@@ -99,7 +99,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._next_key = 0
         self._release: list[list[int]] = [[] for _ in group.names]
-        self._discard: set[int] = set()  # released keys of failed sequences: KV not saved
+        self._discard: list[list[int]] = [[] for _ in group.names]  # of them: KV not saved
         self._dead: set[int] = set()
         self._ttft_lines: set[int] = set()  # requests whose first token the histogram has
 
@@ -149,7 +149,7 @@ class Scheduler:
                 active.remove(s)
             if self.group.is_dead(w, exc):
                 self._dead.add(w)
-                self._release[w] = []
+                self._release[w], self._discard[w] = [], []
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
                 self.stats.worker_deaths += 1
@@ -165,7 +165,7 @@ class Scheduler:
                 for s in mine:  # (a failed request leaves its saved conversation whole)
                     on_result(self._result(s, "error", f"worker step failed: {exc!r}"))
                     self._release[w].append(s.key)
-                    self._discard.add(s.key)
+                    self._discard[w].append(s.key)
         if len(self._dead) == len(self.group.names):
             self._fail_all(waiting, on_result)
 
@@ -235,9 +235,9 @@ class Scheduler:
                 top_p=np.array([s.item.top_p for s in seqs], np.float32),
                 seed=np.array([s.item.seed for s in seqs], np.uint64),
                 counter=np.array([len(s.out) for s in seqs], np.uint64),
-                release=tuple(self._release[w]), discard=self._discarded(w),
+                release=tuple(self._release[w]), discard=tuple(self._discard[w]),
                 attach=attach.get(w, {}))
-            self._release[w] = []
+            self._release[w], self._discard[w] = [], []
         return batches, sampled, n_prompt
 
     @staticmethod
@@ -329,16 +329,13 @@ class Scheduler:
             for path, n in o.fallbacks.items():
                 self.metrics.fallback(path, n)
 
-    def _discarded(self, w: int) -> tuple[int, ...]:
-        return tuple(k for k in self._release[w] if k in self._discard)
-
     def _flush_releases(self) -> None:
         empty = np.zeros(0, np.int32)
         batches = {w: StepBatch(keys=np.zeros(0, np.int64), tokens=empty, positions=empty,
                                 sample_at=empty, temperature=np.zeros(0, np.float32),
                                 top_p=np.zeros(0, np.float32), seed=np.zeros(0, np.uint64),
                                 counter=np.zeros(0, np.uint64), release=tuple(keys),
-                                discard=self._discarded(w))
+                                discard=tuple(self._discard[w]))
                    for w, keys in enumerate(self._release) if keys and w not in self._dead}
         if batches:
             for w, o in self.group.step_all(batches).items():
@@ -350,6 +347,7 @@ class Scheduler:
                     self.metrics.kv_cache(k, n)
                 self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
         self._release = [[] for _ in self.group.names]
+        self._discard = [[] for _ in self.group.names]
 
 
 def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:
