@@ -151,12 +151,13 @@ class ResultStore:
                 log.warning("%s: %d earlier rows are not in the prompts any more (e.g. %s): "
                             "left out", self.out, len(gone), gone[:3])
             last = {k: j for k, j in last.items() if k in current}
-        rows = sorted(last.values(), key=lambda j: current[keys[j]] if current is not None
-                      else merged.column("line")[j].as_py())
+        lines = (merged.column("line").to_pylist() if current is None
+                 else [current.get(k) for k in keys])  # (the input's lines, when given)
+        rows = sorted(last.values(), key=lambda j: lines[j])
         merged = merged.take(pa.array(rows, pa.int64()))
         if current is not None:
             merged = merged.set_column(merged.schema.get_field_index("line"), SCHEMA.field("line"),
-                                       pa.array([current[keys[j]] for j in rows], pa.int32()))
+                                       pa.array([lines[j] for j in rows], pa.int32()))
         _write_atomic(self._table(merged), self.out)
         if self.parts.exists():
             shutil.rmtree(self.parts)
