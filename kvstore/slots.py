@@ -34,7 +34,11 @@ MAX_STEM = 80
 
 
 class SlotBusyError(RuntimeError):
-    """Another writer holds the slot file's lock."""
+    """Another writer holds the slot file's lock; `holder` is its pid as the lock file says."""
+
+    def __init__(self, message: str, holder: str = "unknown"):
+        super().__init__(message)
+        self.holder = holder
 
 
 def slot_filename(name: str, suffix: str) -> str:
@@ -58,7 +62,7 @@ class SlotLock:
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             raise SlotBusyError(f"{path}: KV cache file is in use by another writer (pid {holder}); "
-                                f"stop that process or use another --kv-cache-dir") from None
+                                f"stop that process or use another --kv-cache-dir", holder) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)
 

@@ -22,8 +22,6 @@ from kvstore.fingerprint import Fingerprint, HeaderError, plan_load, tier_label
 from kvstore.records import RecordLayout, requantize
 from kvstore.slots import SlotBusyError, SlotLock
 
-# how kvstore's load messages end when a file is thrown away (cachefile.py, plan_load)
-_CLEAN_START = "; starting clean; the next save replaces it"
 SUFFIX_FORMAT = {".coli_kv": "coli", ".arrow": "arrow", ".arrows": "arrow", ".kvarrow": "arrow"}
 
 
@@ -77,8 +75,8 @@ def open_any(path: str):
     # load() started clean (a HeaderError from _read leaves no plan): it keeps nothing of the
     # file, so there is nothing to inspect or convert; a cut tail still has a "load" plan
     if f.plan is None or f.plan.action == "reject":
-        reason = (f.message or f"{path}: unreadable").removesuffix(_CLEAN_START)
-        raise UsageError(f"{reason}; a loader keeps none of this file (it starts clean)")
+        raise UsageError(f"{f.message or path + ': unreadable'} (a loader keeps none of this "
+                         f"file: it starts clean)")
     return fmt, f, recs, tag
 
 
@@ -165,13 +163,8 @@ def _lock_output(path: str) -> SlotLock:
     unlockable file is a UsageError, before anything is read or written."""
     try:
         return SlotLock(path)
-    except SlotBusyError:
-        try:
-            with open(path + ".lock") as f:
-                holder = f.read(32).strip() or "unknown"
-        except OSError:
-            holder = "unknown"
-        raise UsageError(f"{path}: KV cache file is in use by a running job (pid {holder} holds "
+    except SlotBusyError as e:
+        raise UsageError(f"{path}: KV cache file is in use by a running job (pid {e.holder} holds "
                          f"{path}.lock); nothing written: stop it or convert to another "
                          f"file") from None
     except OSError as e:
