@@ -37,7 +37,8 @@ def _int(text: str) -> int:
 
 
 def load(path: str) -> tuple[list[str], list[dict]]:
-    """(stall reason columns, one dict per SASS instruction) of an ncu source-page CSV."""
+    """(stall reason columns, one dict per SASS instruction) of an ncu source-page CSV (its
+    first kernel, when the export holds several)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     head = next((i for i, r in enumerate(rows) if "Source" in r and SAMPLES in r), None)
@@ -48,8 +49,10 @@ def load(path: str) -> tuple[list[str], list[dict]]:
     stalls = [n for n in names if n.startswith("stall_") and "(Not Issued)" not in n]
     out = []
     for r in rows[head + 1:]:
+        if r[:1] == ["Kernel Name"] or r == names:
+            break  # a second kernel's page: this reads the first kernel's only
         if len(r) != len(names):
-            continue  # (a second kernel's title line, or a truncated row)
+            continue  # (a truncated row)
         d = dict(zip(names, r))
         out.append({"sass": d["Source"].strip(), "samples": _int(d.get(SAMPLES, "0")),
                     "executed": _int(d.get(EXECUTED, "0")),
@@ -109,11 +112,18 @@ def _line(i: int, r: dict) -> str:
             + " ".join(f"{k}:{v}" for v, k in why))
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv")
-    ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--blocks", type=int, default=100, help="block size (0: none)")
+    ap.add_argument("--top", type=_count, default=40)
+    ap.add_argument("--blocks", type=_count, default=100, help="block size (0: none)")
     ap.add_argument("--range", type=int, nargs=2, metavar=("A", "B"),
                     help="print instructions A..B-1 instead of the summary")
     args = ap.parse_args(argv)

@@ -45,3 +45,20 @@ def test_not_an_ncu_source_page(tmp_path, capsys):
         ns.load(str(p))
     assert ns.main([str(p)]) == 2
     assert "other.csv" in capsys.readouterr().err
+
+
+def test_second_kernel_is_not_merged_and_range_prints(tmp_path, capsys):
+    p = tmp_path / "two.csv"
+    one = [["0x0", "FMUL R1, R2, R3", "5", "10", "0", "1", "4", "0"]]
+    _write(p, one)
+    with open(p, "a", newline="") as f:  # a second kernel's page after the first
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "attn_combine", ""])
+        w.writerow(HEAD)
+        w.writerow(["0x0", "LDG R0, [R2]", "50", "10", "0", "0", "0", "0"])
+    _, rows = ns.load(str(p))
+    assert [r["sass"] for r in rows] == ["FMUL R1, R2, R3"]
+    assert ns.main([str(p), "--range", "-3", "9"]) == 0
+    assert "FMUL R1, R2, R3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ns.main([str(p), "--top", "-1"])
