@@ -45,12 +45,19 @@ def _native_is_exact(n: int, device: str) -> bool:
     return bool(np.array_equal(fast.view(np.uint32), np.array(butterfly(a)).view(np.uint32)))
 
 
+def _wht(a: mx.array, n: int) -> mx.array:
+    """mx.hadamard_transform scaled by 1/sqrt(n); it refuses empty arrays (a write or a
+    batch of zero rows), which have nothing to transform."""
+    a = a.astype(mx.float32)
+    return a if a.size == 0 else mx.hadamard_transform(a, scale=_constants(n)[1])
+
+
 def hadamard(a: mx.array) -> mx.array:
     """H on the last axis, bit-identical to the contract's butterfly (see the module doc)."""
     n = a.shape[-1]
     _check(n)
     if _native_is_exact(n, str(mx.default_device())):
-        return mx.hadamard_transform(a.astype(mx.float32), scale=_constants(n)[1])
+        return _wht(a, n)
     return butterfly(a)
 
 
@@ -85,10 +92,10 @@ def rotate_fast(x: mx.array) -> mx.array:
     the same transform, but its add order is MLX's (equal bits on the CPU backend in our
     tests, not promised on Metal), so codes are never computed with it."""
     n = x.shape[-1]
-    return mx.hadamard_transform(x.astype(mx.float32) * _constants(n)[0], scale=_constants(n)[1])
+    return _wht(x.astype(mx.float32) * _constants(n)[0], n)
 
 
 def unrotate_fast(y: mx.array) -> mx.array:
     """unrotate() through MLX's Walsh-Hadamard kernel (consumers only; see rotate_fast)."""
     n = y.shape[-1]
-    return mx.hadamard_transform(y.astype(mx.float32), scale=_constants(n)[1]) * _constants(n)[0]
+    return _wht(y, n) * _constants(n)[0]

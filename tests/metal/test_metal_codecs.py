@@ -167,3 +167,27 @@ def test_fused_kernels_match_numpy():
     np.testing.assert_array_equal(np.array(fp8._enc_fused(mf.view(mx.uint32), mf)), cpu_fp8.enc(f))
     np.testing.assert_array_equal(np.array(tq4._nearest_fused(mf, mf.view(mx.uint32))),
                                   cpu_tq4.nearest_level(f))
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4", "polar3"])
+def test_zero_rows_encode_and_decode_like_numpy(tier):
+    """A batch of no rows (an empty write) gives empty codes, as numpy does; MLX's
+    hadamard_transform refuses empty arrays, which crashed the tq4 codec."""
+    from kernels.metal import rotation
+    x = np.zeros((0, 64), np.float32)
+    c_ref, s_ref = cpu_codecs.encode_rows(tier, x)
+    c, s = codecs.encode_rows(tier, mx.array(x))
+    assert tuple(c.shape) == c_ref.shape and tuple(s.shape) == s_ref.shape
+    d = codecs.decode_rows(tier, c_ref, s_ref, 64)
+    assert tuple(d.shape) == (0, 64)
+    for fn in (rotation.rotate, rotation.unrotate, rotation.rotate_fast, rotation.unrotate_fast):
+        assert tuple(fn(mx.zeros((0, 3, 64))).shape) == (0, 3, 64)
+
+
+def test_mlx_pool_takes_an_empty_write():
+    from kernels.metal.pool import MLXKVPool
+    pool = MLXKVPool(1, 64, 16, "tq4", n_blocks=4, block_size=4, max_slots=1)
+    s = pool.alloc_slot()
+    pool.write(0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 64), np.float32),
+               np.zeros((0, 16), np.float32))
+    assert pool.length(s) == 0
