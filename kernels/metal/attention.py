@@ -81,6 +81,21 @@ def _chunk(tier, planes, idx, valid, ql_t, qr_t, qmask, scale, state):
     return m_new, l, acc
 
 
+def _visible_tables(block_tables: np.ndarray, n_keys: np.ndarray, bs: int,
+                    n_blocks: int) -> np.ndarray:
+    """The table entries some visible key lies in, others set to -1: padding past a row's
+    keys may hold anything (an out-of-range sentinel included) and is never gathered, as in
+    the numpy path. A visible entry past the pool's blocks is an error naming it."""
+    need = np.arange(block_tables.shape[1])[None, :] * bs < n_keys[:, None]  # [B, nb]
+    bad = np.argwhere(need & (block_tables >= n_blocks))
+    if len(bad):
+        b, j = (int(v) for v in bad[0])
+        raise ValueError(f"block_tables[{b}, {j}] = {int(block_tables[b, j])} is not a block "
+                         f"of the planes ({n_blocks} blocks); row {b} sees {int(n_keys[b])} "
+                         f"keys, so its entries 0..{-(-int(n_keys[b]) // bs) - 1} are read")
+    return np.where(need & (block_tables >= 0), block_tables, -1).astype(np.int32)
+
+
 def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_lat: mx.array,
                         q_rope: mx.array, q_pos, scale: float, *,
                         stats: KernelStats | None = None, chunk_tokens: int = 2048,
@@ -97,20 +112,22 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
     B, Q, H, Dl = q_lat.shape
     Dr = q_rope.shape[-1]
     if (q_pos.shape != (B, Q) or tuple(q_rope.shape[:3]) != (B, Q, H)
-            or block_tables.shape[0] != B or planes.l_codes.shape[-1] != tier.code_width(Dl)
+            or block_tables.ndim != 2 or block_tables.shape[0] != B
+            or planes.l_codes.shape[-1] != tier.code_width(Dl)
             or planes.r_codes.shape[-1] != tier.code_width(Dr)):
         raise ValueError(f"shape mismatch: q_lat {tuple(q_lat.shape)} q_rope "
                          f"{tuple(q_rope.shape)} q_pos {q_pos.shape} block_tables "
                          f"{block_tables.shape} l_codes {tuple(planes.l_codes.shape)} "
                          f"r_codes {tuple(planes.r_codes.shape)} for tier {tier.name}")
     bs = planes.l_codes.shape[1]
+    n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
+    block_tables = _visible_tables(block_tables, n_keys, bs, planes.l_codes.shape[0])
     if native and metal_native.usable(tier.name, Dl, Dr, bs):
         if stats is not None:
             stats.count_native("paged_attention")
         return metal_native.attend(tier, planes, block_tables, q_lat, q_rope, q_pos, scale)
     if stats is not None:
         stats.count_fallback("paged_attention", metal_native.unusable_reason(tier, Dl, Dr))
-    n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
     t_max = int(n_keys.max(initial=0))
     if t_max <= 0:
         return mx.zeros((B, Q, H, Dl), mx.float32)

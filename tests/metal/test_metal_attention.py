@@ -259,3 +259,25 @@ def test_mlx_pool_reads_only_a_slots_own_rows():
     assert len(pool.read_rows(a, 0)[0]) == 3
     with pytest.raises(ValueError, match=r"slot 0: rows \[0, 8\) are outside its 3 written tokens"):
         pool.read_rows(a, 0, 0, 8)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_out_of_range_sentinels_in_table_padding_are_never_read(tier):
+    """FlashMLA-style tables: entries past a row's keys hold out-of-range sentinels. numpy
+    never reads them; the MLX path gathered every column of the chunk (a segfault for a
+    sentinel of 2^20 on the CPU backend). A visible entry past the pool is a named error."""
+    rng = np.random.default_rng(12)
+    lengths = [3, 45, 17]
+    planes, tables, _ = make_pool(rng, tier, lengths, 64, 32, 8)
+    q_lat, q_rope, q_pos = queries(rng, lengths, 1, 2, 64, 32)
+    n_blocks = planes.l_codes.shape[0]
+    for sentinel in (n_blocks, 2 ** 20, 2 ** 31 - 1):
+        t = np.where(tables < 0, sentinel, tables).astype(np.int32)
+        got = paged_mla_attention(tier, to_mx(planes), t, mx.array(q_lat), mx.array(q_rope),
+                                  q_pos, 0.1, chunk_tokens=16)
+        cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, t, q_lat, q_rope, q_pos, 0.1)
+        check_close(got, cpu.astype(np.float64))
+    t = tables.copy()
+    t[1, 2] = n_blocks + 3  # row 1 sees 45 keys: entry 2 (keys 16..23) is read
+    with pytest.raises(ValueError, match=rf"block_tables\[1, 2\] = {n_blocks + 3} is not a block"):
+        paged_mla_attention(tier, to_mx(planes), t, mx.array(q_lat), mx.array(q_rope), q_pos, 0.1)
