@@ -35,7 +35,7 @@ from kernels.metal.backend import KernelStats
 from kernels.tiers import Tier, TierError, get_tier
 
 SUPPORTED = ("f32", "fp8", "tq")
-_FLOOR = -1e30  # below any score; the running max starts here
+_FLOOR = float(np.finfo(np.float32).min)  # the masked-out score: no finite score is below it
 
 
 def _values(tier: Tier, codes: mx.array, scale: mx.array, valid: mx.array, n: int):
@@ -72,9 +72,13 @@ def _chunk(tier, planes, idx, valid, ql_t, qr_t, qmask, scale, state):
     mask = mx.broadcast_to(qmask[:, :, None, :], (B, Q, QH // Q, C * bs)).reshape(B, QH, -1)
     m, l, acc = state
     # a finite floor instead of -inf, and p masked explicitly: no inf arithmetic, so fast
-    # math (which may assume finite values) cannot change the result
-    m_new = mx.maximum(m, mx.max(mx.where(mask, s, _FLOOR), axis=-1, keepdims=True))
-    alpha = mx.exp(m - m_new)
+    # math (which may assume finite values) cannot change the result. The running max only
+    # counts once a row has seen a key (l > 0): a floor taken as a real max would put a row
+    # whose every score is below it to exp(s - floor) = 0, the zeros of a padding query
+    seen = l > 0
+    c_max = mx.maximum(mx.max(mx.where(mask, s, _FLOOR), axis=-1, keepdims=True), _FLOOR)
+    m_new = mx.where(seen, mx.maximum(m, c_max), c_max)
+    alpha = mx.exp(mx.where(seen, m, m_new) - m_new)  # 1 where l and acc are still 0
     p = mx.where(mask, mx.exp(s - m_new), mx.array(0.0, mx.float32))
     l = l * alpha + mx.sum(p, axis=-1, keepdims=True)
     acc = acc * alpha + (p * wl[:, None, :]) @ vl

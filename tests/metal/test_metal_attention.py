@@ -281,3 +281,28 @@ def test_out_of_range_sentinels_in_table_padding_are_never_read(tier):
     t[1, 2] = n_blocks + 3  # row 1 sees 45 keys: entry 2 (keys 16..23) is read
     with pytest.raises(ValueError, match=rf"block_tables\[1, 2\] = {n_blocks + 3} is not a block"):
         paged_mla_attention(tier, to_mx(planes), t, mx.array(q_lat), mx.array(q_rope), q_pos, 0.1)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_scores_below_the_softmax_floor(tier):
+    """Every score of a row far below -1e30 (huge queries against keys of one sign): the
+    softmax is still the argmax row, as numpy has it; the MLX running max started at a
+    finite floor of -1e30, so exp(s - floor) was 0 and the row came back as zeros."""
+    rng = np.random.default_rng(13)
+    lengths, Dl, Dr, bs = [21, 9], 64, 16, 4
+    planes, tables, rows = make_pool(rng, tier, lengths, Dl, Dr, bs)
+    for b, n in enumerate(lengths):  # rebuild the L rows with mean ~1, so q = -c scores < 0
+        L = (1.0 + 0.3 * rng.standard_normal((n, Dl))).astype(np.float32)
+        t = np.arange(n)
+        blk, off = tables[b, t // bs], t % bs
+        planes.l_codes[blk, off], planes.l_scale[blk, off] = cpu_codecs.encode_rows(tier, L)
+        if tier == "f32":
+            planes.l_scale[blk, off] = 1.0
+    q_lat, q_rope, q_pos = queries(rng, lengths, 2, 3, Dl, Dr)
+    q_lat[0] = -1e30  # row 0: scores about -6e31; row 1 keeps ordinary scores
+    q_lat[1, :, 0] *= 1e28  # row 1, head 0: scores of both signs up to ~1e29
+    got = paged_mla_attention(tier, to_mx(planes), tables, mx.array(q_lat), mx.array(q_rope),
+                              q_pos, 1.0, chunk_tokens=8)
+    cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, tables, q_lat, q_rope, q_pos, 1.0)
+    assert np.abs(cpu[0, 1]).max() > 0.5  # the case occurs: numpy's context is a real row
+    check_close(got, cpu.astype(np.float64))
