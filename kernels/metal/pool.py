@@ -55,8 +55,31 @@ class MLXKVPool(KVPool):
             for _ in range(n_layers)]
         mx.eval([(p.l_codes, p.l_scale, p.r_codes, p.r_scale) for p in self.planes])
 
+    # -- argument checks: a bad layer, slot, position or shape is an error naming it, never
+    # a broadcast, a negative list index or an attention over unwritten rows
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"{layer=} is outside the pool's {self.n_layers} layers")
+
+    def _check_batch(self, slots, positions) -> tuple[np.ndarray, np.ndarray]:
+        slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
+        if slots.ndim != 1 or slots.shape != positions.shape:
+            raise ValueError(f"slots {slots.shape} and positions {positions.shape} must be "
+                             f"1-D of one length N")
+        return slots, positions
+
+    @staticmethod
+    def _check_shapes(n: int, **arrays) -> None:
+        """Each keyword is name=(array, trailing shape); the leading axis must be N."""
+        for name, (a, tail) in arrays.items():
+            if tuple(a.shape) != (n, *tail):
+                raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {(n, *tail)}")
+
     def write(self, layer: int, slots, positions, L, R) -> None:
         """Encode rows L [N, kv_lora] and R [N, rope] (mx or numpy) and store them."""
+        self._check_layer(layer)
+        slots, positions = self._check_batch(slots, positions)
+        self._check_shapes(len(slots), L=(L, (self.kv_lora,)), R=(R, (self.rope,)))
         l_codes, l_scale = codecs.encode_rows(self.tier, L, self.stats)
         r_codes, r_scale = codecs.encode_rows(self.tier, R, self.stats)
         self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
@@ -65,6 +88,11 @@ class MLXKVPool(KVPool):
                     r_scale) -> None:
         """Store rows already in the tier's code layout. Evaluated at once, so the planes
         never carry a graph and the scatter reuses their buffers."""
+        self._check_layer(layer)
+        slots, positions = self._check_batch(slots, positions)
+        wl, wr = self.tier.code_width(self.kv_lora), self.tier.code_width(self.rope)
+        self._check_shapes(len(slots), l_codes=(l_codes, (wl,)), l_scale=(l_scale, ()),
+                           r_codes=(r_codes, (wr,)), r_scale=(r_scale, ()))
         blk, off = self._where(slots, positions)
         blk, off = mx.array(blk.astype(np.int32)), mx.array(off.astype(np.int32))
         p = self.planes[layer]
@@ -78,6 +106,7 @@ class MLXKVPool(KVPool):
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot as numpy arrays (for the disk formats)."""
+        self._check_layer(layer)
         pos = self._span(slot, start, end)  # (KVPool's bounds: never another slot's block)
         blk = mx.array(self.block_tables[slot, pos // self.block_size].astype(np.int32))
         off = mx.array((pos % self.block_size).astype(np.int32))
@@ -86,9 +115,19 @@ class MLXKVPool(KVPool):
 
     def attend(self, layer: int, slots, positions, q_lat, q_rope, scale: float) -> mx.array:
         """As KVPool.attend, on mx arrays: q_lat [N, H, kv_lora], q_rope [N, H, rope] ->
-        ctx [N, H, kv_lora] (an mx array)."""
-        slots = np.asarray(slots, np.int64)
-        positions = np.asarray(positions, np.int64)
+        ctx [N, H, kv_lora] (an mx array). Each slot must be allocated and hold the rows up
+        to each of its query positions."""
+        self._check_layer(layer)
+        slots, positions = self._check_batch(slots, positions)
+        H = q_lat.shape[1] if q_lat.ndim == 3 else -1
+        self._check_shapes(len(slots), q_lat=(q_lat, (H, self.kv_lora)),
+                           q_rope=(q_rope, (H, self.rope)))
+        for s in np.unique(slots):
+            self._check_slot(int(s))
+            last = int(positions[slots == s].max())
+            if last >= self.lengths[s]:
+                raise ValueError(f"slot {int(s)}: a query at position {last}, but only "
+                                 f"{int(self.lengths[s])} tokens are written")
         uniq, inv, rank, q_pos = group_by_slot(slots, positions)
         B, Q = q_pos.shape
         N, H, Dl = q_lat.shape

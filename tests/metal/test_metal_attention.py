@@ -306,3 +306,38 @@ def test_scores_below_the_softmax_floor(tier):
     cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, tables, q_lat, q_rope, q_pos, 1.0)
     assert np.abs(cpu[0, 1]).max() > 0.5  # the case occurs: numpy's context is a real row
     check_close(got, cpu.astype(np.float64))
+
+
+def test_mlx_pool_names_bad_arguments():
+    """Bad layers, shapes, slots and positions are errors that name them. Before: layer -1
+    wrote (and attended) the last layer, one L row or one scale was broadcast over every
+    position, an unallocated slot attended to nothing (zeros), a query past the written rows
+    attended to the pool's NaN garbage, and a wrong width failed inside MLX's scatter."""
+    from kernels.metal.pool import MLXKVPool
+    pool = MLXKVPool(2, 64, 16, "kv8", n_blocks=8, block_size=4, max_slots=2)
+    rng = np.random.default_rng(4)
+    s = pool.alloc_slot()
+    L, R = rng.standard_normal((5, 64)).astype(np.float32), rng.standard_normal((5, 16)).astype(np.float32)
+    pos = np.arange(5)
+    with pytest.raises(IndexError, match="layer=-1 is outside the pool's 2 layers"):
+        pool.write(-1, [s] * 5, pos, L, R)
+    with pytest.raises(ValueError, match=r"L has shape \(1, 64\), expected \(5, 64\)"):
+        pool.write(0, [s] * 5, pos, L[:1], R)
+    with pytest.raises(ValueError, match=r"R has shape \(5, 8\), expected \(5, 16\)"):
+        pool.write(0, [s] * 5, pos, L, R[:, :8])
+    lc, ls = cpu_codecs.encode_rows("kv8", L)
+    rc, rs = cpu_codecs.encode_rows("kv8", R)
+    with pytest.raises(ValueError, match=r"l_scale has shape \(1,\), expected \(5,\)"):
+        pool.write_coded(0, [s] * 5, pos, lc, ls[:1], rc, rs)
+    assert pool.length(s) == 0  # nothing was stored
+    pool.write(0, [s] * 5, pos, L, R)
+    q, qr = rng.standard_normal((1, 2, 64)).astype(np.float32), rng.standard_normal((1, 2, 16)).astype(np.float32)
+    with pytest.raises(KeyError, match="slot 1 is not allocated"):
+        pool.attend(0, [1], [3], q, qr, 0.1)
+    with pytest.raises(ValueError, match="slot 0: a query at position 6, but only 5 tokens"):
+        pool.attend(0, [s], [6], q, qr, 0.1)
+    with pytest.raises(ValueError, match=r"q_rope has shape \(1, 1, 16\), expected \(1, 2, 16\)"):
+        pool.attend(0, [s], [3], q, qr[:, :1], 0.1)
+    with pytest.raises(IndexError, match="layer=2"):
+        pool.attend(2, [s], [3], q, qr, 0.1)
+    assert np.isfinite(np.array(pool.attend(0, [s], [4], q, qr, 0.1))).all()
