@@ -128,7 +128,11 @@ def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _encode_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    amax = np.fmax.reduce(np.abs(x), axis=-1)  # fmax skips NaN, so a NaN does not raise amax
+    # a NaN does not raise amax: zeroed first, since fmax skips a quiet NaN but returns a
+    # signalling one (0x7F800001...: x86's maxss), which made such a row inert
+    a = np.abs(x)
+    np.copyto(a, np.float32(0), where=np.isnan(a))
+    amax = a.max(axis=-1, initial=np.float32(0))
     with np.errstate(invalid="ignore"):
         live = (amax > _TINY) & ~(amax > _HUGE)
     safe = np.where(live, amax, FP8_MAX)

@@ -191,3 +191,24 @@ def test_mlx_pool_takes_an_empty_write():
     pool.write(0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 64), np.float32),
                np.zeros((0, 16), np.float32))
     assert pool.length(s) == 0
+
+
+def test_fp8_signalling_nan_does_not_raise_amax():
+    """A NaN never raises amax, whatever its payload: numpy's fmax.reduce returned a
+    signalling NaN (quiet bit clear) at some positions, so the numpy reference stored the
+    row as inert where MLX, CUDA and the C transcription keep it live."""
+    nans = np.array([0x7F800001, 0xFF800001, 0x7FA00000, 0x7FC00000, 0xFFFFFFFF],
+                    np.uint32).view(np.float32)
+    rows = []
+    for nan in nans:
+        for pos in range(4):
+            r = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+            r[pos] = nan
+            rows.append(r)
+    x = np.repeat(np.stack(rows), 3, axis=0)
+    c_ref, s_ref = cpu_codecs.encode_rows("kv8", x)
+    c, s = codecs.encode_rows("kv8", mx.array(x))
+    amax = np.array([np.abs(r[~np.isnan(r)]).max() for r in x], np.float32)
+    np.testing.assert_array_equal(s_ref, amax / np.float32(448))  # the contract's scale
+    np.testing.assert_array_equal(np.array(c), c_ref)
+    np.testing.assert_array_equal(bits(np.array(s)), bits(s_ref))
