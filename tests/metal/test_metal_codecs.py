@@ -212,3 +212,16 @@ def test_fp8_signalling_nan_does_not_raise_amax():
     np.testing.assert_array_equal(s_ref, amax / np.float32(448))  # the contract's scale
     np.testing.assert_array_equal(np.array(c), c_ref)
     np.testing.assert_array_equal(bits(np.array(s)), bits(s_ref))
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4"])
+def test_decode_takes_codes_in_any_integer_dtype_like_numpy(tier):
+    """numpy reads codes as uint8 (asarray); the MLX decode gathered its tables through the
+    codes as given, so int codes of 300 or 2^20 read past the tables (a segfault)."""
+    codes = np.array([[1, 300, 2 ** 20, 255, 7, 0x7F, 0x80, 9]], np.int64)
+    scales = np.array([0.5], np.float32)
+    n = 8 if tier == "kv8" else 16  # 8 code bytes either way
+    want = cpu_codecs.decode_rows(tier, codes, scales, n)
+    for c in (codes, codes.tolist(), mx.array(codes.astype(np.int32))):
+        np.testing.assert_array_equal(bits(np.array(codecs.decode_rows(tier, c, scales, n))),
+                                      bits(want))
