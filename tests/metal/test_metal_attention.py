@@ -341,3 +341,25 @@ def test_mlx_pool_names_bad_arguments():
     with pytest.raises(IndexError, match="layer=2"):
         pool.attend(2, [s], [3], q, qr, 0.1)
     assert np.isfinite(np.array(pool.attend(0, [s], [4], q, qr, 0.1))).all()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_planes_of_another_dtype_or_shape_are_named(tier):
+    """The gathers index the planes without bounds checks: int32 tq4 codes past 255 read
+    past the level table (a segfault), int32 kv8 codes failed inside mx.from_fp8, an r plane
+    with fewer blocks than l would be read out of bounds. Each is now a named error."""
+    from dataclasses import replace
+    rng = np.random.default_rng(14)
+    lengths = [5, 9]
+    planes, tables, _ = make_pool(rng, tier, lengths, 64, 32, 8)
+    q_lat, q_rope, q_pos = queries(rng, lengths, 1, 2, 64, 32)
+    args = (tables, mx.array(q_lat), mx.array(q_rope), q_pos, 0.1)
+    good = to_mx(planes)
+    wide = mx.float16 if tier == "f32" else mx.int32
+    for name, bad in [("l_codes", replace(good, l_codes=good.l_codes.astype(wide) + 256)),
+                      ("r_codes", replace(good, r_codes=good.r_codes[:3])),
+                      ("l_scale", replace(good, l_scale=good.l_scale[:, :4]))]:
+        with pytest.raises(ValueError, match=rf"planes\.{name} is"):
+            paged_mla_attention(tier, bad, *args)
+    cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, tables, q_lat, q_rope, q_pos, 0.1)
+    check_close(paged_mla_attention(tier, good, *args), cpu.astype(np.float64))
