@@ -19,11 +19,19 @@ from kernels.metal.backend import KernelStats
 from kernels.tiers import Tier, TierError, get_tier
 
 
+def as_mx(a) -> mx.array:
+    """An mx array of `a` (mx, numpy or a list). numpy views with negative strides (x[::-1])
+    are copied first: mx.array refuses them."""
+    if isinstance(a, mx.array):
+        return a
+    return mx.array(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a)
+
+
 def encode_rows(tier: Tier | str, x, stats: KernelStats | None = None
                 ) -> tuple[mx.array, mx.array]:
     """Encode float32 rows x[..., n] (mx or numpy) with the tier's codec."""
     tier = get_tier(tier)
-    x = mx.array(x) if isinstance(x, np.ndarray) else x
+    x = as_mx(x)
     x = x.astype(mx.float32)
     if x.ndim < 1:
         raise TierError(f"{tier.name}: x must have a row axis, got shape {x.shape}")
@@ -52,7 +60,7 @@ def decode_rows(tier: Tier | str, codes, scales, n: int,
     # in the tier's code dtype, as numpy's asarray has it: a gather through wider codes
     # (int64 from a list, 300 or 2^20) read past the 256-entry tables (a segfault)
     dt = mx.float32 if tier.code_dtype() == "float32" else mx.uint8
-    codes, scales = mx.array(codes).astype(dt), mx.array(scales).astype(mx.float32)
+    codes, scales = as_mx(codes).astype(dt), as_mx(scales).astype(mx.float32)
     lead = tuple(codes.shape[:-1])
     if codes.ndim < 1 or codes.shape[-1] != width or tuple(scales.shape) != lead:
         raise TierError(f"{tier.name}: codes {tuple(codes.shape)} / scales "

@@ -72,8 +72,9 @@ class MLXKVPool(KVPool):
     def _check_shapes(n: int, **arrays) -> None:
         """Each keyword is name=(array, trailing shape); the leading axis must be N."""
         for name, (a, tail) in arrays.items():
-            if tuple(a.shape) != (n, *tail):
-                raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {(n, *tail)}")
+            shape = tuple(a.shape) if hasattr(a, "shape") else np.shape(a)  # (lists too)
+            if shape != (n, *tail):
+                raise ValueError(f"{name} has shape {shape}, expected {(n, *tail)}")
 
     def write(self, layer: int, slots, positions, L, R) -> None:
         """Encode rows L [N, kv_lora] and R [N, rope] (mx or numpy) and store them."""
@@ -96,10 +97,10 @@ class MLXKVPool(KVPool):
         blk, off = self._where(slots, positions)
         blk, off = mx.array(blk.astype(np.int32)), mx.array(off.astype(np.int32))
         p = self.planes[layer]
-        p.l_codes[blk, off] = mx.array(l_codes)
-        p.l_scale[blk, off] = mx.array(l_scale)
-        p.r_codes[blk, off] = mx.array(r_codes)
-        p.r_scale[blk, off] = mx.array(r_scale)
+        p.l_codes[blk, off] = codecs.as_mx(l_codes)
+        p.l_scale[blk, off] = codecs.as_mx(l_scale)
+        p.r_codes[blk, off] = codecs.as_mx(r_codes)
+        p.r_scale[blk, off] = codecs.as_mx(r_scale)
         mx.eval(p.l_codes, p.l_scale, p.r_codes, p.r_scale)
         np.maximum.at(self.lengths, np.asarray(slots, np.int64),
                       np.asarray(positions, np.int64) + 1)
@@ -134,8 +135,8 @@ class MLXKVPool(KVPool):
         inv_m, rank_m = mx.array(inv.astype(np.int32)), mx.array(rank.astype(np.int32))
         ql = mx.zeros((B, Q, H, Dl), mx.float32)
         qr = mx.zeros((B, Q, H, q_rope.shape[-1]), mx.float32)
-        ql[inv_m, rank_m] = mx.array(q_lat)
-        qr[inv_m, rank_m] = mx.array(q_rope)
+        ql[inv_m, rank_m] = codecs.as_mx(q_lat)
+        qr[inv_m, rank_m] = codecs.as_mx(q_rope)
         ctx = attention.paged_mla_attention(self.tier, self.planes[layer],
                                             self.block_tables[uniq], ql, qr, q_pos, scale,
                                             stats=self.stats)

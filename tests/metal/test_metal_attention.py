@@ -363,3 +363,32 @@ def test_planes_of_another_dtype_or_shape_are_named(tier):
             paged_mla_attention(tier, bad, *args)
     cpu = cpu_attn.paged_mla_attention(get_tier(tier), planes, tables, q_lat, q_rope, q_pos, 0.1)
     check_close(paged_mla_attention(tier, good, *args), cpu.astype(np.float64))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_mlx_pool_takes_numpy_views_with_negative_strides(tier):
+    """mx.array refuses numpy views with negative strides (x[::-1]); the numpy pool takes
+    any array, the MLX pool and codecs failed on them ("Cannot convert DLPack arrays")."""
+    from kernels.metal import codecs
+    from kernels.metal.pool import MLXKVPool
+    from kvstore.pool import KVPool
+    rng = np.random.default_rng(15)
+    L = rng.standard_normal((6, 64)).astype(np.float32)[::-1]
+    R = rng.standard_normal((6, 16)).astype(np.float32)[:, ::-1]
+    pools = [cls(1, 64, 16, tier, n_blocks=6, block_size=4, max_slots=2) for cls in (KVPool, MLXKVPool)]
+    lc, ls = cpu_codecs.encode_rows(tier, np.ascontiguousarray(L))
+    rc, rs = cpu_codecs.encode_rows(tier, np.ascontiguousarray(R))
+    for p in pools:
+        a, b = p.alloc_slot(), p.alloc_slot()
+        p.write(0, [a] * 6, np.arange(6), L, R)
+        p.write_coded(0, [b] * 6, np.arange(6)[::-1], lc[::-1], ls[::-1], rc[::-1], rs[::-1].tolist())
+    for s in (0, 1):
+        for x, y in zip(pools[0].read_rows(s, 0), pools[1].read_rows(s, 0)):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    q = rng.standard_normal((2, 3, 64)).astype(np.float32)[:, ::-1]
+    qr = rng.standard_normal((2, 3, 16)).astype(np.float32)[::-1]
+    ref = pools[0].attend(0, [0, 1], [5, 3], q, qr, 0.1)
+    check_close(np.array(pools[1].attend(0, [0, 1], [5, 3], q, qr, 0.1)), ref.astype(np.float64))
+    c, s = codecs.encode_rows(tier, L)
+    np.testing.assert_array_equal(np.array(codecs.decode_rows(tier, np.array(c)[::-1], np.array(s)[::-1], 64)),
+                                  cpu_codecs.decode_rows(tier, np.array(c)[::-1], np.array(s)[::-1], 64))
