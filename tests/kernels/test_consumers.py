@@ -4,7 +4,7 @@ import pytest
 
 from kernels.cpu import consumers, fp8, polar, tq4
 from kernels.cpu.codecs import decode_rows, encode_rows
-from kernels.tiers import get_tier
+from kernels.tiers import TierError, get_tier
 
 TIERS = ["f32", "kv8", "tq4"] + [f"polar{b}" for b in range(2, 7)]
 
@@ -121,3 +121,14 @@ def test_polar_consumers_refuse_to_rebuild_uncounted():
         consumers.scores(tier, np.ones((1, 64), np.float32), c, s)
     with pytest.raises(ValueError, match="counter"):
         consumers.context(tier, np.ones((1, 3), np.float32), c, s, 64)
+
+
+@pytest.mark.parametrize("name", ["tq4", "polar3", "kv8", "f32"])
+def test_consumers_refuse_codes_of_another_width(name):
+    """(tq4's context unrotated at the codes' width and returned [.., 64] for n = 32)"""
+    tier = get_tier(name)
+    c, s = encode_rows(tier, np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32))
+    with pytest.raises(TierError, match=rf"{name}: codes shape \(5, {c.shape[-1]}\)"):
+        consumers.context(tier, np.ones((1, 5), np.float32), c, s, 32, COUNT)
+    with pytest.raises(TierError, match=rf"q.shape\[-1\]=32"):
+        consumers.scores(tier, np.ones((1, 32), np.float32), c, s, COUNT)
