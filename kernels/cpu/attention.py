@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.cpu import consumers
-from kernels.tiers import Tier
+from kernels.tiers import Tier, get_tier
 
 
 @dataclass
@@ -45,12 +45,31 @@ def gather_rows(codes: np.ndarray, scale: np.ndarray, block_tables: np.ndarray,
     in_table = t // bs < block_tables.shape[1]
     blk = block_tables[:, np.where(in_table, t // bs, 0)]  # [B, T]
     valid &= in_table[None, :] & (blk >= 0)
+    if valid.any() and int(blk[valid].max()) >= codes.shape[0]:
+        b, j = np.argwhere(valid & (blk >= codes.shape[0]))[0]
+        raise ValueError(f"block_tables[{b}, {j // bs}] = {blk[b, j]} is past the pool's "
+                         f"{codes.shape[0]} blocks")
     flat = np.where(valid, blk * bs + t % bs, 0)
     g_codes = codes.reshape(-1, codes.shape[-1])[flat]
     g_scale = scale.reshape(-1)[flat]
     g_codes[~valid] = 0
     g_scale = np.where(valid, g_scale, np.float32(0))
     return g_codes, g_scale, valid
+
+
+def _check_planes(tier: Tier, planes: LayerPlanes, Dl: int, Dr: int) -> None:
+    """The four planes agree with each other and with the query widths (a width mismatch
+    would otherwise decode the codes at the wrong row width: garbage, or an inert width's
+    zeros, without an error)."""
+    tier = get_tier(tier)
+    nb_bs = planes.l_codes.shape[:2]
+    want = {"l_codes": (*nb_bs, tier.code_width(Dl)), "l_scale": nb_bs,
+            "r_codes": (*nb_bs, tier.code_width(Dr)), "r_scale": nb_bs}
+    for name, shape in want.items():
+        got = getattr(planes, name).shape
+        if got != shape:
+            raise ValueError(f"{tier.name}: planes.{name} has shape {got}, expected {shape} "
+                             f"for q_lat width {Dl} and q_rope width {Dr}")
 
 
 def paged_mla_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray,
@@ -66,10 +85,17 @@ def paged_mla_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarra
     if q_pos.shape != (B, Q) or q_rope.shape[:3] != (B, Q, H) or block_tables.shape[0] != B:
         raise ValueError(f"shape mismatch: {q_lat.shape=} {q_rope.shape=} {q_pos.shape=} "
                          f"{block_tables.shape=}")
-    n_keys = q_pos.max(axis=1).astype(np.int64) + 1  # [B]; keys a row can see at most
+    _check_planes(tier, planes, Dl, Dr)
+    n_keys = q_pos.max(axis=1, initial=-1).astype(np.int64) + 1  # [B]; keys a row can see at most
     t_max = int(n_keys.max(initial=0))
     if t_max <= 0:
         return np.zeros((B, Q, H, Dl), np.float32)
+    capacity = block_tables.shape[1] * planes.l_codes.shape[1]
+    if t_max > capacity:
+        b = int(np.argmax(n_keys))
+        raise ValueError(f"q_pos[{b}] reaches position {t_max - 1}, past the {capacity} tokens "
+                         f"that block_tables {block_tables.shape} x block_size "
+                         f"{planes.l_codes.shape[1]} can hold")
     l_c, l_s, valid = gather_rows(planes.l_codes, planes.l_scale, block_tables, n_keys, t_max)
     r_c, r_s, _ = gather_rows(planes.r_codes, planes.r_scale, block_tables, n_keys, t_max)
 
