@@ -183,6 +183,17 @@ class KVPool:
         decode step (many slots, one token each) and a prefill chunk alike."""
         slots = np.asarray(slots, np.int64)
         positions = np.asarray(positions, np.int64)
+        if slots.shape != positions.shape or slots.ndim != 1:
+            raise ValueError(f"slots {slots.shape} and positions {positions.shape} must be "
+                             f"equal 1-d shapes")
+        for s in np.unique(slots):
+            self._check_slot(int(s))
+        n = self.lengths[slots]
+        bad = (positions < 0) | (positions >= n)  # past the length: unwritten (NaN) rows
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"slot {slots[i]}: attend at position {positions[i]}, outside its "
+                             f"{n[i]} written tokens")
         uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
         order = np.argsort(inv, kind="stable")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])

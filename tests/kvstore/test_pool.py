@@ -139,3 +139,21 @@ def test_rotated_tiers_refuse_widths_the_rotation_cannot_take(tier):
     for ok in ("f32", "kv8"):
         KVPool(2, 384, 48, ok, n_blocks=4)
     KVPool(2, 512, 64, tier, n_blocks=4)
+
+
+def test_attend_refuses_positions_past_the_written_rows():
+    """(a position past the slot's length read the NaN of unwritten rows into the context;
+    an unallocated slot attended to whatever its table row held)"""
+    pool = _pool(tier="kv8", bs=8)
+    rng = np.random.default_rng(11)
+    s = pool.alloc_slot()
+    pool.write(0, np.full(5, s), np.arange(5), rng.standard_normal((5, DL)),
+               rng.standard_normal((5, DR)))
+    ql = rng.standard_normal((1, H, DL)).astype(np.float32)
+    qr = rng.standard_normal((1, H, DR)).astype(np.float32)
+    assert np.isfinite(pool.attend(0, [s], [4], ql, qr, 0.1)).all()
+    for pos in (5, 7, 20, -1):
+        with pytest.raises(ValueError, match=rf"slot {s}: attend at position {pos}, outside its 5"):
+            pool.attend(0, [s], [pos], ql, qr, 0.1)
+    with pytest.raises(KeyError, match="slot 3 is not allocated"):
+        pool.attend(0, [3], [0], ql, qr, 0.1)
