@@ -22,6 +22,26 @@ def _flat(a: np.ndarray, width: int, what: str) -> np.ndarray:
     return a.reshape(-1, width)
 
 
+def _as_codes(tier: Tier, codes) -> np.ndarray:
+    """codes in the tier's code dtype; a cast that would change a value is an error (a plain
+    asarray wraps 256 to 0 and -1 to 0xFF, truncates float codes and reads uint8 bytes as
+    f32 values)."""
+    codes = np.asarray(codes)
+    want = np.dtype(tier.code_dtype())
+    if codes.dtype == want:
+        return codes
+    if want == np.uint8:
+        ok = codes.dtype.kind in "iu" and (codes.size == 0 or (codes.min() >= 0 and codes.max() <= 255))
+    else:
+        ok = codes.dtype.kind == "f"
+    if not ok:
+        like = "integers in 0..255" if want == np.uint8 else "floats"
+        raise TierError(f"{tier.name}: codes must be {want.name} ({like}), got "
+                        f"{codes.dtype.name}" + (f" in {codes.min()}..{codes.max()}"
+                                                 if codes.dtype.kind in "iu" and codes.size else ""))
+    return codes.astype(want)
+
+
 def encode_rows(tier: Tier | str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Encode float32 rows x[..., n] with the tier's codec; see the module docstring."""
     tier = get_tier(tier)
@@ -48,7 +68,7 @@ def decode_rows(tier: Tier | str, codes: np.ndarray, scales: np.ndarray, n: int)
     """Decode codes[..., code_width(n)] with scales[...] to float32 rows [..., n]."""
     tier = get_tier(tier)
     width = tier.code_width(n)
-    codes = np.asarray(codes, dtype=tier.code_dtype())
+    codes = _as_codes(tier, codes)
     scales = np.asarray(scales, dtype=np.float32)
     lead = codes.shape[:-1]
     if scales.shape != lead:

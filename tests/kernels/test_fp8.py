@@ -5,6 +5,7 @@ import pytest
 
 from kernels.cpu import fp8
 from kernels.cpu.codecs import decode_rows, encode_rows
+from kernels.tiers import TierError
 
 FINITE = np.array([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=np.uint8)
 
@@ -138,3 +139,22 @@ def test_strided_sweep_of_float32_bit_patterns():
     fast = fp8.enc(v)
     assert np.array_equal(fast, v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
     assert np.array_equal(fast[::7], fp8.enc_reference(v[::7]))
+
+
+@pytest.mark.parametrize("name", ["kv8", "tq4", "polar3", "f32"])
+def test_decode_rows_refuses_codes_a_cast_would_change(name):
+    """(np.asarray(codes, uint8) wrapped 256 -> 0 and -1 -> 0xFF, truncated float codes, and
+    the f32 tier read uint8 bytes as values: all decoded without an error)"""
+    x = np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32)
+    codes, scales = encode_rows(name, x)
+    want = decode_rows(name, codes, scales, 16)
+    if name == "f32":
+        assert np.array_equal(decode_rows(name, codes.astype(np.float64), scales, 16), want)
+        bad = [codes.view(np.uint8)[:, :16], codes.astype(np.int32)]
+    else:
+        assert np.array_equal(decode_rows(name, codes.astype(np.int64), scales, 16), want)
+        bad = [codes.astype(np.int64) + 256, codes.astype(np.int16) - 1 - codes.max(),
+               codes.astype(np.float32)]
+    for c in bad:
+        with pytest.raises(TierError, match=rf"{name}: codes must be"):
+            decode_rows(name, c, scales, 16)
