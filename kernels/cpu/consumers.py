@@ -49,7 +49,7 @@ def scores(tier: Tier, q: np.ndarray, codes: np.ndarray, scales: np.ndarray,
     """q[..., M, n] against the coded rows [..., T, w] -> [..., M, T] float32. Polar tiers
     rebuild rows and add them to `counter` (required for them)."""
     tier = get_tier(tier)
-    _check_width(tier, codes, q.shape[-1], "q.shape[-1]")
+    _check_codes(tier, codes, scales, q.shape[-1], "q.shape[-1]")
     return _pick(tier)[0](q, codes, scales, *_counter_for(tier, counter))
 
 
@@ -57,17 +57,22 @@ def context(tier: Tier, p: np.ndarray, codes: np.ndarray, scales: np.ndarray, n:
             counter: "WorkCounter | None" = None) -> np.ndarray:
     """Weights p[..., M, T] times the coded rows [..., T, w] -> [..., M, n] float32."""
     tier = get_tier(tier)
-    _check_width(tier, codes, n, "n")
+    _check_codes(tier, codes, scales, n, "n")
     return _pick(tier)[1](p, codes, scales, n, *_counter_for(tier, counter))
 
 
-def _check_width(tier: Tier, codes: np.ndarray, n: int, what: str) -> None:
-    """codes' last axis must be the tier's code width for rows of width n: a polar stream is
-    otherwise read at the wrong width (garbage) and tq4 unrotates at the codes' width."""
+def _check_codes(tier: Tier, codes: np.ndarray, scales: np.ndarray, n: int, what: str) -> None:
+    """codes' last axis must be the tier's code width for rows of width n (a polar stream is
+    otherwise read at the wrong width, garbage, and tq4 unrotates at the codes' width), and
+    there is one scale per row (a shorter scales array would broadcast one row's scale
+    over all of them)."""
     width = tier.code_width(n)  # TierError for widths the tier cannot hold (e.g. odd for tq4)
     if codes.ndim < 2 or codes.shape[-1] != width:
         raise TierError(f"{tier.name}: codes shape {codes.shape} must end in [T, {width}] "
                         f"for rows of width {what}={n}")
+    if np.shape(scales) != codes.shape[:-1]:
+        raise TierError(f"{tier.name}: scales shape {np.shape(scales)} must equal codes' "
+                        f"leading shape {codes.shape[:-1]}")
 
 
 def _counter_for(tier: Tier, counter) -> tuple:

@@ -1,4 +1,6 @@
 """Native consumers against decode-then-attend (float64), with hostile planes."""
+import re
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,15 @@ def test_consumers_refuse_codes_of_another_width(name):
         consumers.context(tier, np.ones((1, 5), np.float32), c, s, 32, COUNT)
     with pytest.raises(TierError, match=rf"q.shape\[-1\]=32"):
         consumers.scores(tier, np.ones((1, 32), np.float32), c, s, COUNT)
+
+
+@pytest.mark.parametrize("name", ["tq4", "polar3", "kv8"])
+def test_consumers_want_one_scale_per_row(name):
+    """(scales of shape (1,) broadcast the first row's scale over every row for kv8 and tq4)"""
+    tier = get_tier(name)
+    c, s = encode_rows(tier, np.random.default_rng(4).standard_normal((4, 64)).astype(np.float32))
+    for bad in (s[:1], s[:, None]):
+        with pytest.raises(TierError, match=rf"{name}: scales shape {re.escape(str(bad.shape))}"):
+            consumers.scores(tier, np.ones((1, 64), np.float32), c, bad, COUNT)
+        with pytest.raises(TierError, match=rf"{name}: scales shape"):
+            consumers.context(tier, np.ones((1, 4), np.float32), c, bad, 64, COUNT)
