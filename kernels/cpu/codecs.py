@@ -22,7 +22,7 @@ def _flat(a: np.ndarray, width: int, what: str) -> np.ndarray:
     return a.reshape(-1, width)
 
 
-def _as_codes(tier: Tier, codes) -> np.ndarray:
+def as_codes(tier: Tier, codes) -> np.ndarray:
     """codes in the tier's code dtype; a cast that would change a value is an error (a plain
     asarray wraps 256 to 0 and -1 to 0xFF, truncates float codes and reads uint8 bytes as
     f32 values)."""
@@ -68,7 +68,7 @@ def decode_rows(tier: Tier | str, codes: np.ndarray, scales: np.ndarray, n: int)
     """Decode codes[..., code_width(n)] with scales[...] to float32 rows [..., n]."""
     tier = get_tier(tier)
     width = tier.code_width(n)
-    codes = _as_codes(tier, codes)
+    codes = as_codes(tier, codes)
     scales = np.asarray(scales, dtype=np.float32)
     lead = codes.shape[:-1]
     if scales.shape != lead:

@@ -57,10 +57,13 @@ def decode_rows(tier: Tier | str, codes, scales, n: int,
     """Decode codes[..., code_width(n)] with scales[...] to float32 rows [..., n]."""
     tier = get_tier(tier)
     width = tier.code_width(n)
-    # in the tier's code dtype, as numpy's asarray has it: a gather through wider codes
-    # (int64 from a list, 300 or 2^20) read past the 256-entry tables (a segfault)
+    # in the tier's code dtype, by the numpy reference's rule (a cast that would change a
+    # value is an error): a gather through wider codes (int64 from a list, 300 or 2^20)
+    # read past the 256-entry tables (a segfault)
     dt = mx.float32 if tier.code_dtype() == "float32" else mx.uint8
-    codes, scales = as_mx(codes).astype(dt), as_mx(scales).astype(mx.float32)
+    if not (isinstance(codes, mx.array) and codes.dtype == dt):
+        codes = cpu_codecs.as_codes(tier, np.array(codes))
+    codes, scales = as_mx(codes), as_mx(scales).astype(mx.float32)
     lead = tuple(codes.shape[:-1])
     if codes.ndim < 1 or codes.shape[-1] != width or tuple(scales.shape) != lead:
         raise TierError(f"{tier.name}: codes {tuple(codes.shape)} / scales "

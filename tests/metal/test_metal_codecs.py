@@ -12,6 +12,7 @@ from kernels.cpu import rotation as cpu_rot  # noqa: E402
 from kernels.cpu import tq4 as cpu_tq4  # noqa: E402
 from kernels.metal import codecs, fp8, rotation, tq4  # noqa: E402
 from kernels.metal.backend import KernelStats  # noqa: E402
+from kernels.tiers import TierError  # noqa: E402
 
 
 def bits(a) -> np.ndarray:
@@ -216,12 +217,20 @@ def test_fp8_signalling_nan_does_not_raise_amax():
 
 @pytest.mark.parametrize("tier", ["kv8", "tq4"])
 def test_decode_takes_codes_in_any_integer_dtype_like_numpy(tier):
-    """numpy reads codes as uint8 (asarray); the MLX decode gathered its tables through the
-    codes as given, so int codes of 300 or 2^20 read past the tables (a segfault)."""
-    codes = np.array([[1, 300, 2 ** 20, 255, 7, 0x7F, 0x80, 9]], np.int64)
+    """Codes in any integer dtype decode as numpy's reference does: values 0..255 as the
+    bytes they are, wider ones as the same TierError (the MLX decode gathered its tables
+    through the codes as given, so int codes of 300 or 2^20 read past them: a segfault)."""
+    codes = np.array([[1, 3, 200, 255, 7, 0x7F, 0x80, 9]], np.int64)
     scales = np.array([0.5], np.float32)
     n = 8 if tier == "kv8" else 16  # 8 code bytes either way
     want = cpu_codecs.decode_rows(tier, codes, scales, n)
     for c in (codes, codes.tolist(), mx.array(codes.astype(np.int32))):
         np.testing.assert_array_equal(bits(np.array(codecs.decode_rows(tier, c, scales, n))),
                                       bits(want))
+    wide = codes.copy()
+    wide[0, 1], wide[0, 2] = 300, 2 ** 20
+    for c in (wide, wide.tolist(), mx.array(wide.astype(np.int32))):
+        with pytest.raises(TierError, match=r"in 1\.\.1048576"):
+            codecs.decode_rows(tier, c, scales, n)
+    with pytest.raises(TierError, match=r"in 1\.\.1048576"):
+        cpu_codecs.decode_rows(tier, wide, scales, n)
