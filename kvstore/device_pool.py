@@ -172,10 +172,7 @@ class DevicePool(KVPool):
         """ctx [N, H, kv_lora] for queries at (slot, position) over keys 0..position.
         cupy queries give a cupy result, numpy queries a numpy one."""
         on_host = not isinstance(q_lat, cp.ndarray)
-        slots = np.asarray(slots, np.int64)
-        positions = np.asarray(positions, np.int64)
-        for s in np.unique(slots):
-            self._check_slot(int(s))
+        slots, positions = self._attend_batch(slots, positions)
         if not cuda_attention.has_kernel(self.tier, self.kv_lora, self.rope):
             self.counters.fallback("attend", self.tier.name,
                                    f"no CUDA attention kernel (kv_lora={self.kv_lora}, "

@@ -175,12 +175,10 @@ class KVPool:
         return (p.l_codes[blk, off], p.l_scale[blk, off], p.r_codes[blk, off],
                 p.r_scale[blk, off])
 
-    def attend(self, layer: int, slots, positions, q_lat: np.ndarray, q_rope: np.ndarray,
-               scale: float) -> np.ndarray:
-        """Attention for a flat batch of N query tokens, each at (slot, position), over the
-        slot's rows 0..position. q_lat [N, H, kv_lora], q_rope [N, H, rope] -> ctx
-        [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
-        decode step (many slots, one token each) and a prefill chunk alike."""
+    def _attend_batch(self, slots, positions) -> tuple[np.ndarray, np.ndarray]:
+        """An attend call's (slots, positions) as int64 arrays, checked for every pool:
+        equal 1-d shapes, allocated slots, and positions inside each slot's written rows
+        (past them the rows are unwritten, NaN in the device pools)."""
         slots = np.asarray(slots, np.int64)
         positions = np.asarray(positions, np.int64)
         if slots.shape != positions.shape or slots.ndim != 1:
@@ -189,11 +187,20 @@ class KVPool:
         for s in np.unique(slots):
             self._check_slot(int(s))
         n = self.lengths[slots]
-        bad = (positions < 0) | (positions >= n)  # past the length: unwritten (NaN) rows
+        bad = (positions < 0) | (positions >= n)
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"slot {slots[i]}: attend at position {positions[i]}, outside its "
                              f"{n[i]} written tokens")
+        return slots, positions
+
+    def attend(self, layer: int, slots, positions, q_lat: np.ndarray, q_rope: np.ndarray,
+               scale: float) -> np.ndarray:
+        """Attention for a flat batch of N query tokens, each at (slot, position), over the
+        slot's rows 0..position. q_lat [N, H, kv_lora], q_rope [N, H, rope] -> ctx
+        [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
+        decode step (many slots, one token each) and a prefill chunk alike."""
+        slots, positions = self._attend_batch(slots, positions)
         uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
         order = np.argsort(inv, kind="stable")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])

@@ -119,16 +119,10 @@ class MLXKVPool(KVPool):
         ctx [N, H, kv_lora] (an mx array). Each slot must be allocated and hold the rows up
         to each of its query positions."""
         self._check_layer(layer)
-        slots, positions = self._check_batch(slots, positions)
+        slots, positions = self._attend_batch(slots, positions)
         H = q_lat.shape[1] if q_lat.ndim == 3 else -1
         self._check_shapes(len(slots), q_lat=(q_lat, (H, self.kv_lora)),
                            q_rope=(q_rope, (H, self.rope)))
-        for s in np.unique(slots):
-            self._check_slot(int(s))
-            last = int(positions[slots == s].max())
-            if last >= self.lengths[s]:
-                raise ValueError(f"slot {int(s)}: a query at position {last}, but only "
-                                 f"{int(self.lengths[s])} tokens are written")
         uniq, inv, rank, q_pos = group_by_slot(slots, positions)
         B, Q = q_pos.shape
         N, H, Dl = q_lat.shape

@@ -334,7 +334,7 @@ def test_mlx_pool_names_bad_arguments():
     q, qr = rng.standard_normal((1, 2, 64)).astype(np.float32), rng.standard_normal((1, 2, 16)).astype(np.float32)
     with pytest.raises(KeyError, match="slot 1 is not allocated"):
         pool.attend(0, [1], [3], q, qr, 0.1)
-    with pytest.raises(ValueError, match="slot 0: a query at position 6, but only 5 tokens"):
+    with pytest.raises(ValueError, match="slot 0: attend at position 6, outside its 5 written tokens"):
         pool.attend(0, [s], [6], q, qr, 0.1)
     with pytest.raises(ValueError, match=r"q_rope has shape \(1, 1, 16\), expected \(1, 2, 16\)"):
         pool.attend(0, [s], [3], q, qr[:, :1], 0.1)
