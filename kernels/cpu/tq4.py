@@ -51,7 +51,8 @@ def column_norms(xt: np.ndarray) -> np.ndarray:
     """float32(sqrt(sum of squares)) of each column of xt[n, rows], accumulated in float64
     from index 0 upward (a reduction over the outer axis of a C-ordered array adds whole rows
     in order; a single column would be summed pairwise as a 1-D array, so it is doubled)."""
-    sq = np.array(xt, dtype=np.float64, order="C")
+    with np.errstate(invalid="ignore"):  # (a signalling NaN quietly becomes a NaN row norm)
+        sq = np.array(xt, dtype=np.float64, order="C")
     cols = sq.shape[1]
     if cols == 1:
         sq = np.repeat(sq, 2, axis=1)

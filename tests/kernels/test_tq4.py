@@ -155,3 +155,19 @@ def test_any_leading_shape_and_determinism():
     assert np.array_equal(cb[1000:], tq4.encode(big[1000:])[0])
     y = decode_rows("tq4", c, s, 256)
     assert y.shape == x.shape
+
+
+def test_signalling_nan_row_is_inert_without_a_warning():
+    """A row holding a signalling NaN (0x7F800001) encodes as an inert row, as a quiet NaN's
+    does, and the float64 norm's cast raises no RuntimeWarning on the way."""
+    import warnings
+    from kernels.cpu import codecs
+    x = np.random.default_rng(21).standard_normal((3, 64)).astype(np.float32)
+    x.view(np.uint32)[1, 9] = 0x7F800001
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        codes, scales = codecs.encode_rows("tq4", x)
+    q = x.copy()
+    q[1, 9] = np.nan
+    want_c, want_s = codecs.encode_rows("tq4", q)
+    assert scales[1] == 0.0 and np.array_equal(codes, want_c) and np.array_equal(scales, want_s)
