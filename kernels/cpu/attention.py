@@ -112,7 +112,9 @@ def paged_mla_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarra
     m = np.where(np.isfinite(m), m, 0)
     p = np.exp(s - m)
     denom = p.sum(axis=-1, keepdims=True)
-    p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+    # zeros only for rows that see no key; a NaN query's NaN denominator stays NaN (as on
+    # the GPU and MLX paths), not a silent row of zeros
+    p = np.divide(p, denom, out=np.zeros_like(p), where=denom != 0)
     ctx = consumers.context(tier, p.reshape(B, Q * H, t_max).astype(np.float32), l_c, l_s, Dl,
                             counter)
     return ctx.reshape(B, Q, H, Dl).astype(np.float32, copy=False)

@@ -73,3 +73,21 @@ def test_no_queries():
     ql, qr = _queries(Q=0)
     out = paged_mla_attention("kv8", _planes("kv8"), TABLES, ql, qr, np.zeros((2, 0), int), 0.1)
     assert out.shape == (2, 0, H, DL)
+
+
+@pytest.mark.parametrize("name", ["f32", "kv8", "tq4", "polar3"])
+def test_a_nan_query_gives_nan_not_zeros(name):
+    """A NaN in one head's query makes that head's context NaN, as the GPU and MLX paths
+    give it; numpy's divide (where the denominator is > 0) used to hide it as zeros. Other
+    heads, and a row that sees no key, are unchanged."""
+    ql, qr = _queries()
+    pos = np.array([[9], [3]])
+    want = paged_mla_attention(name, _planes(name), TABLES, ql, qr, pos, 0.1, consumers.WorkCounter())
+    ql[0, 0, 1, 5] = np.nan
+    got = paged_mla_attention(name, _planes(name), TABLES, ql, qr, pos, 0.1, consumers.WorkCounter())
+    assert np.isnan(got[0, 0, 1]).all()
+    np.testing.assert_array_equal(got[0, 0, 0], want[0, 0, 0])
+    np.testing.assert_array_equal(got[1], want[1])
+    none = paged_mla_attention(name, _planes(name), TABLES, ql, qr, np.array([[-1], [3]]), 0.1,
+                               consumers.WorkCounter())
+    assert (none[0] == 0).all()  # row 0 sees no key: zeros, NaN query or not
