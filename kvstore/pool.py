@@ -108,6 +108,41 @@ class KVPool:
         if not (0 <= slot < self.max_slots and self._used[slot]):
             raise KeyError(f"slot {slot} is not allocated")
 
+    # -- argument checks, shared by every pool: a bad layer, shape or position is an error
+    # naming it, never a broadcast row, a negative list index or a read of unwritten rows
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"{layer=} is outside the pool's {self.n_layers} layers")
+
+    @staticmethod
+    def _batch(slots, positions) -> tuple[np.ndarray, np.ndarray]:
+        slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
+        if slots.ndim != 1 or slots.shape != positions.shape:
+            raise ValueError(f"slots {slots.shape} and positions {positions.shape} must be "
+                             f"equal 1-d shapes")
+        return slots, positions
+
+    @staticmethod
+    def _check_shapes(n: int, **arrays) -> None:
+        """Each keyword is name=(array, row shape); the leading axis must be N."""
+        for name, (a, tail) in arrays.items():
+            shape = tuple(a.shape) if hasattr(a, "shape") else np.shape(a)  # (lists too)
+            if shape != (n, *tail):
+                raise ValueError(f"{name} has shape {shape}, expected {(n, *tail)}")
+
+    def _write_args(self, layer: int, slots, positions, coded: bool, rows: tuple):
+        """A write's (slots, positions), checked with its rows: (L, R) float rows, or
+        (l_codes, l_scale, r_codes, r_scale) when coded."""
+        self._check_layer(layer)
+        slots, positions = self._batch(slots, positions)
+        if coded:
+            wl, wr = self.tier.code_width(self.kv_lora), self.tier.code_width(self.rope)
+            names, tails = ("l_codes", "l_scale", "r_codes", "r_scale"), ((wl,), (), (wr,), ())
+        else:
+            names, tails = ("L", "R"), ((self.kv_lora,), (self.rope,))
+        self._check_shapes(len(slots), **{n: (a, t) for n, a, t in zip(names, rows, tails)})
+        return slots, positions
+
     def _span(self, slot: int, start: int, end: int | None) -> np.ndarray:
         """Positions [start, end) of a slot's written tokens (end None: its length); past
         the length the block table holds -1, which would index another slot's block."""
@@ -133,7 +168,9 @@ class KVPool:
             row[i] = self._free_blocks.pop()
 
     def _where(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(block id, offset) of each (slot, position), allocating blocks as needed."""
+        """(block id, offset) of each (slot, position), allocating blocks as needed. A write
+        may overwrite rows and append after them, never leave a gap: a slot's rows
+        0..length-1 are all written (a gap would be read as unwritten rows: NaN)."""
         slots = np.asarray(slots, np.int64)
         positions = np.asarray(positions, np.int64)
         if positions.size and positions.min() < 0:
@@ -141,8 +178,19 @@ class KVPool:
             slot = int(np.broadcast_to(slots, positions.shape).flat[bad])
             raise ValueError(f"slot {slot}: write at position {int(positions.flat[bad])}, "
                              f"positions must be >= 0")
-        for s in np.unique(slots):
+        uniq = np.unique(slots)
+        for s in uniq:  # (every check before any block is taken)
             self._check_slot(int(s))
+            n, new = int(self.lengths[s]), positions[slots == s]
+            if -(-(int(new.max()) + 1) // self.block_size) > self.block_tables.shape[1]:
+                self._ensure(int(s), int(new.max()) + 1)  # (its PoolFullError: past capacity)
+            new = np.unique(new[new >= n])
+            if len(new) and int(new[-1]) - n + 1 != len(new):
+                gap = int(np.setdiff1d(np.arange(n, int(new[-1]) + 1), new)[0])
+                raise ValueError(f"slot {int(s)}: a write up to position {int(new[-1])} leaves "
+                                 f"position {gap} unwritten (the slot holds {n} tokens; rows "
+                                 f"are written without gaps)")
+        for s in uniq:
             self._ensure(int(s), int(positions[slots == s].max()) + 1)
         blk = self.block_tables[slots, positions // self.block_size]
         return blk, positions % self.block_size
@@ -150,6 +198,7 @@ class KVPool:
     # -- rows -------------------------------------------------------------------------
     def write(self, layer: int, slots, positions, L: np.ndarray, R: np.ndarray) -> None:
         """Encode and store rows L [N, kv_lora] and R [N, rope] at (slot, position)."""
+        slots, positions = self._write_args(layer, slots, positions, False, (L, R))
         l_codes, l_scale = codecs.encode_rows(self.tier, np.asarray(L, np.float32))
         r_codes, r_scale = codecs.encode_rows(self.tier, np.asarray(R, np.float32))
         self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
@@ -157,6 +206,8 @@ class KVPool:
     def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
                     r_scale) -> None:
         """Store rows that are already in the tier's code layout (e.g. read from disk)."""
+        slots, positions = self._write_args(layer, slots, positions, True,
+                                            (l_codes, l_scale, r_codes, r_scale))
         blk, off = self._where(slots, positions)
         p = self.planes[layer]
         p.l_codes[blk, off] = l_codes
@@ -168,6 +219,7 @@ class KVPool:
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot: (l_codes, l_scale, r_codes, r_scale)."""
+        self._check_layer(layer)
         pos = self._span(slot, start, end)
         blk = self.block_tables[slot, pos // self.block_size]
         off = pos % self.block_size
@@ -179,11 +231,7 @@ class KVPool:
         """An attend call's (slots, positions) as int64 arrays, checked for every pool:
         equal 1-d shapes, allocated slots, and positions inside each slot's written rows
         (past them the rows are unwritten, NaN in the device pools)."""
-        slots = np.asarray(slots, np.int64)
-        positions = np.asarray(positions, np.int64)
-        if slots.shape != positions.shape or slots.ndim != 1:
-            raise ValueError(f"slots {slots.shape} and positions {positions.shape} must be "
-                             f"equal 1-d shapes")
+        slots, positions = self._batch(slots, positions)
         for s in np.unique(slots):
             self._check_slot(int(s))
         n = self.lengths[slots]
@@ -200,6 +248,7 @@ class KVPool:
         slot's rows 0..position. q_lat [N, H, kv_lora], q_rope [N, H, rope] -> ctx
         [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
         decode step (many slots, one token each) and a prefill chunk alike."""
+        self._check_layer(layer)
         slots, positions = self._attend_batch(slots, positions)
         uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
         order = np.argsort(inv, kind="stable")

@@ -55,32 +55,9 @@ class MLXKVPool(KVPool):
             for _ in range(n_layers)]
         mx.eval([(p.l_codes, p.l_scale, p.r_codes, p.r_scale) for p in self.planes])
 
-    # -- argument checks: a bad layer, slot, position or shape is an error naming it, never
-    # a broadcast, a negative list index or an attention over unwritten rows
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.n_layers:
-            raise IndexError(f"{layer=} is outside the pool's {self.n_layers} layers")
-
-    def _check_batch(self, slots, positions) -> tuple[np.ndarray, np.ndarray]:
-        slots, positions = np.asarray(slots, np.int64), np.asarray(positions, np.int64)
-        if slots.ndim != 1 or slots.shape != positions.shape:
-            raise ValueError(f"slots {slots.shape} and positions {positions.shape} must be "
-                             f"1-D of one length N")
-        return slots, positions
-
-    @staticmethod
-    def _check_shapes(n: int, **arrays) -> None:
-        """Each keyword is name=(array, trailing shape); the leading axis must be N."""
-        for name, (a, tail) in arrays.items():
-            shape = tuple(a.shape) if hasattr(a, "shape") else np.shape(a)  # (lists too)
-            if shape != (n, *tail):
-                raise ValueError(f"{name} has shape {shape}, expected {(n, *tail)}")
-
     def write(self, layer: int, slots, positions, L, R) -> None:
         """Encode rows L [N, kv_lora] and R [N, rope] (mx or numpy) and store them."""
-        self._check_layer(layer)
-        slots, positions = self._check_batch(slots, positions)
-        self._check_shapes(len(slots), L=(L, (self.kv_lora,)), R=(R, (self.rope,)))
+        slots, positions = self._write_args(layer, slots, positions, False, (L, R))
         l_codes, l_scale = codecs.encode_rows(self.tier, L, self.stats)
         r_codes, r_scale = codecs.encode_rows(self.tier, R, self.stats)
         self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
@@ -89,11 +66,8 @@ class MLXKVPool(KVPool):
                     r_scale) -> None:
         """Store rows already in the tier's code layout. Evaluated at once, so the planes
         never carry a graph and the scatter reuses their buffers."""
-        self._check_layer(layer)
-        slots, positions = self._check_batch(slots, positions)
-        wl, wr = self.tier.code_width(self.kv_lora), self.tier.code_width(self.rope)
-        self._check_shapes(len(slots), l_codes=(l_codes, (wl,)), l_scale=(l_scale, ()),
-                           r_codes=(r_codes, (wr,)), r_scale=(r_scale, ()))
+        slots, positions = self._write_args(layer, slots, positions, True,
+                                            (l_codes, l_scale, r_codes, r_scale))
         blk, off = self._where(slots, positions)
         blk, off = mx.array(blk.astype(np.int32)), mx.array(off.astype(np.int32))
         p = self.planes[layer]

@@ -157,3 +157,30 @@ def test_attend_refuses_positions_past_the_written_rows():
             pool.attend(0, [s], [pos], ql, qr, 0.1)
     with pytest.raises(KeyError, match="slot 3 is not allocated"):
         pool.attend(0, [3], [0], ql, qr, 0.1)
+
+
+def test_writes_name_bad_layers_shapes_and_gaps_and_keep_the_pool():
+    """layer -1 wrote the last layer (a negative list index), one row was broadcast over N
+    positions, and a write that skipped positions left unwritten rows (NaN) inside the slot's
+    length, which attend then read. Each is now an error, raised before anything changes."""
+    pool = _pool(tier="kv8", slots=2, blocks=8, bs=4)
+    s = pool.alloc_slot()
+    rng = np.random.default_rng(8)
+    L, R = rng.standard_normal((3, DL)).astype(np.float32), rng.standard_normal((3, DR)).astype(np.float32)
+    pool.write(0, [s] * 3, [0, 1, 2], L, R)
+    before = (pool.length(s), pool.block_tables.copy(), list(pool._free_blocks))
+    with pytest.raises(IndexError, match="layer=-1 is outside"):
+        pool.write(-1, [s], [3], L[:1], R[:1])
+    with pytest.raises(ValueError, match=r"L has shape \(1, 512\), expected \(2, 512\)"):
+        pool.write(0, [s, s], [3, 4], L[:1], R[:2])
+    with pytest.raises(ValueError, match="leaves position 3 unwritten"):
+        pool.write(0, [s, s], [4, 9], L[:2], R[:2])
+    with pytest.raises(IndexError, match="layer=5"):
+        pool.read_rows(s, 5)
+    assert (pool.length(s), list(pool._free_blocks)) == (before[0], before[2])
+    assert np.array_equal(pool.block_tables, before[1])
+    pool.write(0, [s, s, s], [4, 3, 1], L, R)  # append out of order and overwrite: no gap
+    assert pool.length(s) == 5
+    q = rng.standard_normal((1, 2, DL)).astype(np.float32)
+    qr = rng.standard_normal((1, 2, DR)).astype(np.float32)
+    assert np.isfinite(pool.attend(0, [s], [4], q, qr, 0.1)).all()
