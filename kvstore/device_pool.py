@@ -104,7 +104,7 @@ class DevicePool(KVPool):
     def write(self, layer: int, slots, positions, L, R) -> None:
         """Encode rows L [N, kv_lora], R [N, rope] (numpy: uploaded once, counted; cupy:
         already on the device) on the GPU and store them at (slot, position)."""
-        slots, positions = self._write_args(layer, slots, positions, False, (L, R))
+        slots, positions, _ = self._write_args(layer, slots, positions, False, (L, R))
         if not cuda_codecs.has_encoder(self.tier):
             self.counters.fallback("encode", self.tier.name, "no CUDA encoder for this tier")
             L = L.get() if isinstance(L, cp.ndarray) else L
@@ -124,9 +124,9 @@ class DevicePool(KVPool):
     def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
                     r_scale) -> None:
         """Store rows already in the tier's code layout; host arrays are uploaded once."""
-        slots, positions = self._write_args(layer, slots, positions, True,
-                                            (l_codes, l_scale, r_codes, r_scale))
-        arrs = [l_codes, l_scale, r_codes, r_scale]
+        slots, positions, arrs = self._write_args(layer, slots, positions, True,
+                                                  (l_codes, l_scale, r_codes, r_scale))
+        arrs = list(arrs)
         host = [i for i, a in enumerate(arrs) if not isinstance(a, cp.ndarray)]
         for i, dev in zip(host, self.counters.upload(*[arrs[i] for i in host])):
             arrs[i] = dev
@@ -176,8 +176,7 @@ class DevicePool(KVPool):
         """ctx [N, H, kv_lora] for queries at (slot, position) over keys 0..position.
         cupy queries give a cupy result, numpy queries a numpy one."""
         on_host = not isinstance(q_lat, cp.ndarray)
-        self._check_layer(layer)
-        slots, positions = self._attend_batch(slots, positions)
+        slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
         if not cuda_attention.has_kernel(self.tier, self.kv_lora, self.rope):
             self.counters.fallback("attend", self.tier.name,
                                    f"no CUDA attention kernel (kv_lora={self.kv_lora}, "

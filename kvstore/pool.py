@@ -131,17 +131,69 @@ class KVPool:
                 raise ValueError(f"{name} has shape {shape}, expected {(n, *tail)}")
 
     def _write_args(self, layer: int, slots, positions, coded: bool, rows: tuple):
-        """A write's (slots, positions), checked with its rows: (L, R) float rows, or
-        (l_codes, l_scale, r_codes, r_scale) when coded."""
+        """A write's (slots, positions, rows), all checked before anything is uploaded,
+        encoded or allocated: the layer; the rows' shapes ((L, R) float rows, or (l_codes,
+        l_scale, r_codes, r_scale) when coded, whose host codes are cast by the reference's
+        rule, codecs.as_codes); and the positions (_check_positions)."""
         self._check_layer(layer)
         slots, positions = self._batch(slots, positions)
         if coded:
             wl, wr = self.tier.code_width(self.kv_lora), self.tier.code_width(self.rope)
             names, tails = ("l_codes", "l_scale", "r_codes", "r_scale"), ((wl,), (), (wr,), ())
+            rows = tuple(codecs.as_codes(self.tier, a) if i in (0, 2) and isinstance(
+                a, (np.ndarray, list)) else a for i, a in enumerate(rows))
         else:
             names, tails = ("L", "R"), ((self.kv_lora,), (self.rope,))
         self._check_shapes(len(slots), **{n: (a, t) for n, a, t in zip(names, rows, tails)})
-        return slots, positions
+        self._check_positions(slots, positions)
+        return slots, positions, rows
+
+    def _per_slot(self, slots: np.ndarray, positions: np.ndarray):
+        """(unique slots, each token's index in them, each slot's highest position, the
+        blocks each slot's table needs for it), checking that the slots are allocated."""
+        uniq, inv = np.unique(slots, return_inverse=True)
+        ok = (uniq >= 0) & (uniq < self.max_slots)
+        ok[ok] = self._used[uniq[ok]]
+        if not ok.all():
+            raise KeyError(f"slot {int(uniq[~ok][0])} is not allocated")
+        top = np.full(len(uniq), -1, np.int64)
+        np.maximum.at(top, inv, positions)
+        return uniq, inv, top, -(-(top + 1) // self.block_size)
+
+    def _check_positions(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        """A write's positions: >= 0, in allocated slots, within each slot's capacity, with
+        enough free blocks for all of them together, and without a gap: a write may
+        overwrite rows and append after them, but every position up to the slot's new
+        length is written (lengths are per slot, so this holds for the layers written)."""
+        if not slots.size:
+            return
+        if positions.min() < 0:
+            i = int(np.argmin(positions))
+            raise ValueError(f"slot {int(slots[i])}: write at position {int(positions[i])}, "
+                             f"positions must be >= 0")
+        uniq, inv, top, need = self._per_slot(slots, positions)
+        over = need > self.block_tables.shape[1]
+        if over.any():
+            i = int(np.argmax(over))
+            raise PoolFullError(f"slot {int(uniq[i])}: {int(top[i]) + 1} tokens exceed the slot "
+                                f"capacity of {self.capacity_tokens}")
+        n = self.lengths[uniq]
+        new = positions >= n[inv]  # appended tokens: distinct ones per slot must be contiguous
+        key = np.unique(inv[new] * (int(positions.max()) + 1) + positions[new])
+        count = np.bincount(key // (int(positions.max()) + 1), minlength=len(uniq))
+        gap = count != np.maximum(top - n + 1, 0)
+        if gap.any():
+            i = int(np.argmax(gap))
+            got = positions[(inv == i) & new]
+            hole = int(np.setdiff1d(np.arange(n[i], top[i] + 1), got)[0])
+            raise ValueError(f"slot {int(uniq[i])}: a write up to position {int(top[i])} leaves "
+                             f"position {hole} unwritten (the slot holds {int(n[i])} tokens; rows "
+                             f"are written without gaps)")
+        cols = np.arange(self.block_tables.shape[1])
+        missing = int(((self.block_tables[uniq] < 0) & (cols[None, :] < need[:, None])).sum())
+        if missing > len(self._free_blocks):
+            raise PoolFullError(f"the write needs {missing} new blocks, "
+                                f"{len(self._free_blocks)} free")
 
     def _span(self, slot: int, start: int, end: int | None) -> np.ndarray:
         """Positions [start, end) of a slot's written tokens (end None: its length); past
@@ -168,37 +220,22 @@ class KVPool:
             row[i] = self._free_blocks.pop()
 
     def _where(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(block id, offset) of each (slot, position), allocating blocks as needed. A write
-        may overwrite rows and append after them, never leave a gap: a slot's rows
-        0..length-1 are all written (a gap would be read as unwritten rows: NaN)."""
-        slots = np.asarray(slots, np.int64)
-        positions = np.asarray(positions, np.int64)
-        if positions.size and positions.min() < 0:
-            bad = int(np.argmin(positions))
-            slot = int(np.broadcast_to(slots, positions.shape).flat[bad])
-            raise ValueError(f"slot {slot}: write at position {int(positions.flat[bad])}, "
-                             f"positions must be >= 0")
-        uniq = np.unique(slots)
-        for s in uniq:  # (every check before any block is taken)
-            self._check_slot(int(s))
-            n, new = int(self.lengths[s]), positions[slots == s]
-            if -(-(int(new.max()) + 1) // self.block_size) > self.block_tables.shape[1]:
-                self._ensure(int(s), int(new.max()) + 1)  # (its PoolFullError: past capacity)
-            new = np.unique(new[new >= n])
-            if len(new) and int(new[-1]) - n + 1 != len(new):
-                gap = int(np.setdiff1d(np.arange(n, int(new[-1]) + 1), new)[0])
-                raise ValueError(f"slot {int(s)}: a write up to position {int(new[-1])} leaves "
-                                 f"position {gap} unwritten (the slot holds {n} tokens; rows "
-                                 f"are written without gaps)")
-        for s in uniq:
-            self._ensure(int(s), int(positions[slots == s].max()) + 1)
+        """(block id, offset) of each (slot, position) of a write that _write_args checked,
+        taking the blocks it needs."""
+        if not slots.size:
+            return slots, positions
+        uniq, _, top, need = self._per_slot(slots, positions)
+        cols = np.arange(self.block_tables.shape[1])
+        short = ((self.block_tables[uniq] < 0) & (cols[None, :] < need[:, None])).any(axis=1)
+        for i in np.flatnonzero(short):
+            self._ensure(int(uniq[i]), int(top[i]) + 1)
         blk = self.block_tables[slots, positions // self.block_size]
         return blk, positions % self.block_size
 
     # -- rows -------------------------------------------------------------------------
     def write(self, layer: int, slots, positions, L: np.ndarray, R: np.ndarray) -> None:
         """Encode and store rows L [N, kv_lora] and R [N, rope] at (slot, position)."""
-        slots, positions = self._write_args(layer, slots, positions, False, (L, R))
+        slots, positions, _ = self._write_args(layer, slots, positions, False, (L, R))
         l_codes, l_scale = codecs.encode_rows(self.tier, np.asarray(L, np.float32))
         r_codes, r_scale = codecs.encode_rows(self.tier, np.asarray(R, np.float32))
         self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
@@ -206,8 +243,8 @@ class KVPool:
     def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
                     r_scale) -> None:
         """Store rows that are already in the tier's code layout (e.g. read from disk)."""
-        slots, positions = self._write_args(layer, slots, positions, True,
-                                            (l_codes, l_scale, r_codes, r_scale))
+        slots, positions, (l_codes, l_scale, r_codes, r_scale) = self._write_args(
+            layer, slots, positions, True, (l_codes, l_scale, r_codes, r_scale))
         blk, off = self._where(slots, positions)
         p = self.planes[layer]
         p.l_codes[blk, off] = l_codes
@@ -227,19 +264,24 @@ class KVPool:
         return (p.l_codes[blk, off], p.l_scale[blk, off], p.r_codes[blk, off],
                 p.r_scale[blk, off])
 
-    def _attend_batch(self, slots, positions) -> tuple[np.ndarray, np.ndarray]:
-        """An attend call's (slots, positions) as int64 arrays, checked for every pool:
-        equal 1-d shapes, allocated slots, and positions inside each slot's written rows
-        (past them the rows are unwritten, NaN in the device pools)."""
+    def _attend_args(self, layer: int, slots, positions, q_lat, q_rope):
+        """An attend call's (slots, positions) as int64 arrays, checked for every pool: the
+        layer, equal 1-d shapes, allocated slots, positions inside each slot's written rows
+        (past them the rows are unwritten, NaN in the device pools), and queries q_lat
+        [N, H, kv_lora], q_rope [N, H, rope] (one query is never broadcast over N)."""
+        self._check_layer(layer)
         slots, positions = self._batch(slots, positions)
-        for s in np.unique(slots):
-            self._check_slot(int(s))
-        n = self.lengths[slots]
-        bad = (positions < 0) | (positions >= n)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"slot {slots[i]}: attend at position {positions[i]}, outside its "
-                             f"{n[i]} written tokens")
+        if slots.size:
+            uniq, inv, _, _ = self._per_slot(slots, positions)
+            n = self.lengths[uniq][inv]
+            bad = (positions < 0) | (positions >= n)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"slot {slots[i]}: attend at position {positions[i]}, outside "
+                                 f"its {n[i]} written tokens")
+        H = q_lat.shape[1] if len(q_lat.shape) == 3 else -1
+        self._check_shapes(len(slots), q_lat=(q_lat, (H, self.kv_lora)),
+                           q_rope=(q_rope, (H, self.rope)))
         return slots, positions
 
     def attend(self, layer: int, slots, positions, q_lat: np.ndarray, q_rope: np.ndarray,
@@ -248,8 +290,7 @@ class KVPool:
         slot's rows 0..position. q_lat [N, H, kv_lora], q_rope [N, H, rope] -> ctx
         [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
         decode step (many slots, one token each) and a prefill chunk alike."""
-        self._check_layer(layer)
-        slots, positions = self._attend_batch(slots, positions)
+        slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
         uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
         order = np.argsort(inv, kind="stable")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])

@@ -57,7 +57,7 @@ class MLXKVPool(KVPool):
 
     def write(self, layer: int, slots, positions, L, R) -> None:
         """Encode rows L [N, kv_lora] and R [N, rope] (mx or numpy) and store them."""
-        slots, positions = self._write_args(layer, slots, positions, False, (L, R))
+        slots, positions, _ = self._write_args(layer, slots, positions, False, (L, R))
         l_codes, l_scale = codecs.encode_rows(self.tier, L, self.stats)
         r_codes, r_scale = codecs.encode_rows(self.tier, R, self.stats)
         self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
@@ -66,8 +66,8 @@ class MLXKVPool(KVPool):
                     r_scale) -> None:
         """Store rows already in the tier's code layout. Evaluated at once, so the planes
         never carry a graph and the scatter reuses their buffers."""
-        slots, positions = self._write_args(layer, slots, positions, True,
-                                            (l_codes, l_scale, r_codes, r_scale))
+        slots, positions, (l_codes, l_scale, r_codes, r_scale) = self._write_args(
+            layer, slots, positions, True, (l_codes, l_scale, r_codes, r_scale))
         blk, off = self._where(slots, positions)
         blk, off = mx.array(blk.astype(np.int32)), mx.array(off.astype(np.int32))
         p = self.planes[layer]
@@ -92,11 +92,7 @@ class MLXKVPool(KVPool):
         """As KVPool.attend, on mx arrays: q_lat [N, H, kv_lora], q_rope [N, H, rope] ->
         ctx [N, H, kv_lora] (an mx array). Each slot must be allocated and hold the rows up
         to each of its query positions."""
-        self._check_layer(layer)
-        slots, positions = self._attend_batch(slots, positions)
-        H = q_lat.shape[1] if q_lat.ndim == 3 else -1
-        self._check_shapes(len(slots), q_lat=(q_lat, (H, self.kv_lora)),
-                           q_rope=(q_rope, (H, self.rope)))
+        slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
         uniq, inv, rank, q_pos = group_by_slot(slots, positions)
         B, Q = q_pos.shape
         N, H, Dl = q_lat.shape

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from kernels.cpu import codecs
 from kernels.tiers import TIERS
 from kvstore.pool import KVPool, PoolFullError
 
@@ -184,3 +185,33 @@ def test_writes_name_bad_layers_shapes_and_gaps_and_keep_the_pool():
     q = rng.standard_normal((1, 2, DL)).astype(np.float32)
     qr = rng.standard_normal((1, 2, DR)).astype(np.float32)
     assert np.isfinite(pool.attend(0, [s], [4], q, qr, 0.1)).all()
+
+
+def test_rejected_writes_take_no_blocks_and_attend_checks_query_shapes():
+    """A write that two slots cannot both fit took the first slot's blocks before failing
+    on the second; host codes outside a byte were wrapped into the planes; one query row was
+    broadcast over N attend positions."""
+    from kernels.tiers import TierError
+    pool = _pool(tier="kv8", slots=2, blocks=3, bs=4)
+    a, b = pool.alloc_slot(), pool.alloc_slot()
+    rng = np.random.default_rng(9)
+    L = rng.standard_normal((12, DL)).astype(np.float32)
+    R = rng.standard_normal((12, DR)).astype(np.float32)
+    slots, pos = np.repeat([a, b], 6), np.tile(np.arange(6), 2)  # 2 blocks each, 3 free
+    with pytest.raises(PoolFullError, match="needs 4 new blocks, 3 free"):
+        pool.write(0, slots, pos, L, R)
+    assert (pool.block_tables < 0).all() and len(pool._free_blocks) == 3
+    pool.write(0, [a] * 3, [0, 1, 2], L[:3], R[:3])
+    lc, ls = codecs.encode_rows("kv8", L[:1])
+    rc, rs = codecs.encode_rows("kv8", R[:1])
+    wide = lc.astype(np.int64)
+    wide[0, 0] = 300
+    with pytest.raises(TierError, match="in .*300"):
+        pool.write_coded(0, [a], [3], wide, ls, rc, rs)
+    with pytest.raises(TierError, match="must be uint8"):
+        pool.write_coded(0, [a], [3], lc.astype(np.float32) + 0.5, ls, rc, rs)
+    assert pool.length(a) == 3
+    q = rng.standard_normal((1, H, DL)).astype(np.float32)
+    qr = rng.standard_normal((2, H, DR)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"q_lat has shape \(1, 4, 512\), expected \(2, 4, 512\)"):
+        pool.attend(0, [a, a], [1, 2], q, qr, 0.1)
