@@ -88,6 +88,11 @@ def pool_cost(pool_cls, cfg, tier: str, S: int, ctx: int, reps: int = 20) -> tup
     pos = np.full(S, ctx - 1)
     rng = cp.random.default_rng(0)
     H, dl, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    # every slot's rows 0..ctx-1 written once first: the timed write then rewrites the last
+    # row, and the attend reads written rows (pools refuse gaps and unwritten positions)
+    pool.write(0, np.repeat(slots, ctx), np.tile(np.arange(ctx), S),
+               rng.standard_normal((S * ctx, dl), dtype=cp.float32),
+               rng.standard_normal((S * ctx, dr), dtype=cp.float32))
     L, R = rng.standard_normal((S, dl), dtype=cp.float32), rng.standard_normal((S, dr), dtype=cp.float32)
     ql, qr = rng.standard_normal((S, H, dl), dtype=cp.float32), rng.standard_normal((S, H, dr), dtype=cp.float32)
     out = []
