@@ -32,8 +32,9 @@ def as_codes(tier: Tier, codes) -> np.ndarray:
         return codes
     if want == np.uint8:
         ok = codes.dtype.kind in "iu" and (codes.size == 0 or (codes.min() >= 0 and codes.max() <= 255))
-    else:
-        ok = codes.dtype.kind == "f"
+    else:  # (float codes of the f32 tier: a float64 value float32 cannot hold is refused)
+        ok = codes.dtype.kind == "f" and bool(np.all(
+            (codes.astype(want) == codes) | np.isnan(codes)))
     if not ok:
         like = "integers in 0..255" if want == np.uint8 else "floats"
         raise TierError(f"{tier.name}: codes must be {want.name} ({like}), got "

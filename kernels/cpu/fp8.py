@@ -133,6 +133,7 @@ def _encode_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a = np.abs(x)
     np.copyto(a, np.float32(0), where=np.isnan(a))
     amax = a.max(axis=-1, initial=np.float32(0))
+    del a  # (a row-sized temporary: freed before the codes are made)
     with np.errstate(invalid="ignore"):
         live = (amax > _TINY) & ~(amax > _HUGE)
     safe = np.where(live, amax, FP8_MAX)

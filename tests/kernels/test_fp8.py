@@ -150,7 +150,9 @@ def test_decode_rows_refuses_codes_a_cast_would_change(name):
     want = decode_rows(name, codes, scales, 16)
     if name == "f32":
         assert np.array_equal(decode_rows(name, codes.astype(np.float64), scales, 16), want)
-        bad = [codes.view(np.uint8)[:, :16], codes.astype(np.int32)]
+        off = codes.astype(np.float64)
+        off[0, 0] += 1e-12  # a float64 value float32 cannot hold would be rounded
+        bad = [codes.view(np.uint8)[:, :16], codes.astype(np.int32), off]
     else:
         assert np.array_equal(decode_rows(name, codes.astype(np.int64), scales, 16), want)
         bad = [codes.astype(np.int64) + 256, codes.astype(np.int16) - 1 - codes.max(),
