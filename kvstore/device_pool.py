@@ -111,7 +111,7 @@ class DevicePool(KVPool):
             R = R.get() if isinstance(R, cp.ndarray) else R
             lc, ls = cpu_codecs.encode_rows(self.tier, np.asarray(L, np.float32))
             rc, rs = cpu_codecs.encode_rows(self.tier, np.asarray(R, np.float32))
-            self.write_coded(layer, slots, positions, lc, ls, rc, rs)
+            self._put(layer, slots, positions, lc, ls, rc, rs)
             return
         if not isinstance(L, cp.ndarray):
             (L,) = self.counters.upload(np.asarray(L, np.float32))
@@ -121,12 +121,9 @@ class DevicePool(KVPool):
         rc, rs = cuda_codecs.encode_rows(self.tier, cp.ascontiguousarray(R, cp.float32))
         self._store(layer, slots, positions, lc, ls, rc, rs)
 
-    def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
-                    r_scale) -> None:
-        """Store rows already in the tier's code layout; host arrays are uploaded once."""
-        slots, positions, arrs = self._write_args(layer, slots, positions, True,
-                                                  (l_codes, l_scale, r_codes, r_scale))
-        arrs = list(arrs)
+    def _put(self, layer: int, slots, positions, l_codes, l_scale, r_codes, r_scale) -> None:
+        """KVPool._put (what write_coded stores): host arrays are uploaded once."""
+        arrs = [l_codes, l_scale, r_codes, r_scale]
         host = [i for i, a in enumerate(arrs) if not isinstance(a, cp.ndarray)]
         for i, dev in zip(host, self.counters.upload(*[arrs[i] for i in host])):
             arrs[i] = dev
@@ -146,8 +143,7 @@ class DevicePool(KVPool):
         p.l_scale[blk_d, off_d] = ls
         p.r_codes[blk_d, off_d] = rc
         p.r_scale[blk_d, off_d] = rs
-        np.maximum.at(self.lengths, np.asarray(slots, np.int64),
-                      np.asarray(positions, np.int64) + 1)
+        np.maximum.at(self.lengths, slots, positions + 1)
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot, downloaded to the host (for disk I/O)."""

@@ -24,6 +24,19 @@ from kernels.cpu.rotation import rotatable
 from kernels.tiers import Tier, get_tier
 
 
+def group_by_slot(slots: np.ndarray, positions: np.ndarray):
+    """A flat token batch -> (unique slots [B], row of each token [N], its index within
+    the row [N], q_pos [B, Q] with -1 padding): one attention row per slot."""
+    uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
+    order = np.argsort(inv, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order)) - starts[inv[order]]
+    q_pos = np.full((len(uniq), int(counts.max())), -1, np.int64)
+    q_pos[inv, rank] = positions
+    return uniq, inv, rank, q_pos
+
+
 class PoolFullError(RuntimeError):
     """No free slot, or no free block for a slot's next tokens."""
 
@@ -148,14 +161,19 @@ class KVPool:
         self._check_positions(slots, positions)
         return slots, positions, rows
 
-    def _per_slot(self, slots: np.ndarray, positions: np.ndarray):
-        """(unique slots, each token's index in them, each slot's highest position, the
-        blocks each slot's table needs for it), checking that the slots are allocated."""
+    def _check_slots(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(unique slots, each token's index in them), checking that they are allocated."""
         uniq, inv = np.unique(slots, return_inverse=True)
         ok = (uniq >= 0) & (uniq < self.max_slots)
         ok[ok] = self._used[uniq[ok]]
         if not ok.all():
             raise KeyError(f"slot {int(uniq[~ok][0])} is not allocated")
+        return uniq, inv
+
+    def _per_slot(self, slots: np.ndarray, positions: np.ndarray):
+        """(unique slots, each token's index in them, each slot's highest position, the
+        blocks each slot's table needs for it), checking that the slots are allocated."""
+        uniq, inv = self._check_slots(slots)
         top = np.full(len(uniq), -1, np.int64)
         np.maximum.at(top, inv, positions)
         return uniq, inv, top, -(-(top + 1) // self.block_size)
@@ -238,21 +256,25 @@ class KVPool:
         slots, positions, _ = self._write_args(layer, slots, positions, False, (L, R))
         l_codes, l_scale = codecs.encode_rows(self.tier, np.asarray(L, np.float32))
         r_codes, r_scale = codecs.encode_rows(self.tier, np.asarray(R, np.float32))
-        self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
+        self._put(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
 
     def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
                     r_scale) -> None:
         """Store rows that are already in the tier's code layout (e.g. read from disk)."""
-        slots, positions, (l_codes, l_scale, r_codes, r_scale) = self._write_args(
-            layer, slots, positions, True, (l_codes, l_scale, r_codes, r_scale))
+        slots, positions, rows = self._write_args(layer, slots, positions, True,
+                                                  (l_codes, l_scale, r_codes, r_scale))
+        self._put(layer, slots, positions, *rows)
+
+    def _put(self, layer: int, slots, positions, l_codes, l_scale, r_codes, r_scale) -> None:
+        """Store coded rows at checked (slot, position)s (_write_args) and extend the slots'
+        lengths; each pool stores into its own planes."""
         blk, off = self._where(slots, positions)
         p = self.planes[layer]
         p.l_codes[blk, off] = l_codes
         p.l_scale[blk, off] = l_scale
         p.r_codes[blk, off] = r_codes
         p.r_scale[blk, off] = r_scale
-        slots = np.asarray(slots, np.int64)
-        np.maximum.at(self.lengths, slots, np.asarray(positions, np.int64) + 1)
+        np.maximum.at(self.lengths, slots, positions + 1)
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot: (l_codes, l_scale, r_codes, r_scale)."""
@@ -272,7 +294,7 @@ class KVPool:
         self._check_layer(layer)
         slots, positions = self._batch(slots, positions)
         if slots.size:
-            uniq, inv, _, _ = self._per_slot(slots, positions)
+            uniq, inv = self._check_slots(slots)
             n = self.lengths[uniq][inv]
             bad = (positions < 0) | (positions >= n)
             if bad.any():
@@ -291,19 +313,13 @@ class KVPool:
         [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
         decode step (many slots, one token each) and a prefill chunk alike."""
         slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
-        uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
-        order = np.argsort(inv, kind="stable")
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order)) - starts[inv[order]]  # index within its slot
-        B, Q = len(uniq), int(counts.max())
+        uniq, inv, rank, qp = group_by_slot(slots, positions)
+        B, Q = qp.shape
         N, H, Dl = q_lat.shape
         ql = np.zeros((B, Q, H, Dl), np.float32)
         qr = np.zeros((B, Q, H, q_rope.shape[-1]), np.float32)
-        qp = np.full((B, Q), -1, np.int64)
         ql[inv, rank] = q_lat
         qr[inv, rank] = q_rope
-        qp[inv, rank] = positions
         ctx = paged_mla_attention(self.tier, self.planes[layer], self.block_tables[uniq],
                                   ql, qr, qp, scale, counter=self.rebuilds)
         return ctx[inv, rank]

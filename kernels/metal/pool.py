@@ -16,20 +16,7 @@ import numpy as np
 from kernels.cpu.attention import LayerPlanes
 from kernels.metal import attention, codecs
 from kernels.metal.backend import KernelStats
-from kvstore.pool import KVPool
-
-
-def group_by_slot(slots: np.ndarray, positions: np.ndarray):
-    """A flat token batch -> (unique slots [B], row of each token [N], its index within
-    the row [N], q_pos [B, Q] with -1 padding): one attention row per slot."""
-    uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
-    order = np.argsort(inv, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order)) - starts[inv[order]]
-    q_pos = np.full((len(uniq), int(counts.max())), -1, np.int64)
-    q_pos[inv, rank] = positions
-    return uniq, inv, rank, q_pos
+from kvstore.pool import KVPool, group_by_slot
 
 
 class MLXKVPool(KVPool):
@@ -60,14 +47,11 @@ class MLXKVPool(KVPool):
         slots, positions, _ = self._write_args(layer, slots, positions, False, (L, R))
         l_codes, l_scale = codecs.encode_rows(self.tier, L, self.stats)
         r_codes, r_scale = codecs.encode_rows(self.tier, R, self.stats)
-        self.write_coded(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
+        self._put(layer, slots, positions, l_codes, l_scale, r_codes, r_scale)
 
-    def write_coded(self, layer: int, slots, positions, l_codes, l_scale, r_codes,
-                    r_scale) -> None:
-        """Store rows already in the tier's code layout. Evaluated at once, so the planes
-        never carry a graph and the scatter reuses their buffers."""
-        slots, positions, (l_codes, l_scale, r_codes, r_scale) = self._write_args(
-            layer, slots, positions, True, (l_codes, l_scale, r_codes, r_scale))
+    def _put(self, layer: int, slots, positions, l_codes, l_scale, r_codes, r_scale) -> None:
+        """KVPool._put into the mx planes, evaluated at once, so that the planes never
+        carry a graph and the scatter reuses their buffers."""
         blk, off = self._where(slots, positions)
         blk, off = mx.array(blk.astype(np.int32)), mx.array(off.astype(np.int32))
         p = self.planes[layer]
@@ -76,8 +60,7 @@ class MLXKVPool(KVPool):
         p.r_codes[blk, off] = codecs.as_mx(r_codes)
         p.r_scale[blk, off] = codecs.as_mx(r_scale)
         mx.eval(p.l_codes, p.l_scale, p.r_codes, p.r_scale)
-        np.maximum.at(self.lengths, np.asarray(slots, np.int64),
-                      np.asarray(positions, np.int64) + 1)
+        np.maximum.at(self.lengths, slots, positions + 1)
 
     def read_rows(self, slot: int, layer: int, start: int = 0, end: int | None = None):
         """Coded rows [start, end) of a slot as numpy arrays (for the disk formats)."""
