@@ -57,15 +57,19 @@ def gather_rows(codes: np.ndarray, scale: np.ndarray, block_tables: np.ndarray,
     return g_codes, g_scale, valid
 
 
+def plane_shapes(tier: Tier, planes: LayerPlanes, Dl: int, Dr: int) -> dict:
+    """Each plane's expected shape, from l_codes' [n_blocks, bs] and the query widths."""
+    nb_bs = tuple(planes.l_codes.shape[:2])
+    return {"l_codes": (*nb_bs, tier.code_width(Dl)), "l_scale": nb_bs,
+            "r_codes": (*nb_bs, tier.code_width(Dr)), "r_scale": nb_bs}
+
+
 def _check_planes(tier: Tier, planes: LayerPlanes, Dl: int, Dr: int) -> None:
     """The four planes agree with each other and with the query widths (a width mismatch
     would otherwise decode the codes at the wrong row width: garbage, or an inert width's
     zeros, without an error)."""
     tier = get_tier(tier)
-    nb_bs = planes.l_codes.shape[:2]
-    want = {"l_codes": (*nb_bs, tier.code_width(Dl)), "l_scale": nb_bs,
-            "r_codes": (*nb_bs, tier.code_width(Dr)), "r_scale": nb_bs}
-    for name, shape in want.items():
+    for name, shape in plane_shapes(tier, planes, Dl, Dr).items():
         got = getattr(planes, name).shape
         if got != shape:
             raise ValueError(f"{tier.name}: planes.{name} has shape {got}, expected {shape} "

@@ -27,7 +27,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from kernels.cpu.attention import LayerPlanes
+from kernels.cpu.attention import LayerPlanes, plane_shapes
 from kernels.cpu.rotation import rotatable
 from kernels.metal import native as metal_native
 from kernels.metal import rotation, tq4
@@ -89,13 +89,9 @@ def _check_planes(tier: Tier, planes: LayerPlanes, Dl: int, Dr: int) -> None:
     """The four planes share [n_blocks, bs] and hold the tier's dtypes: the gathers below
     (and the native kernel) index them without bounds checks, so a plane with fewer blocks
     or int codes past 255 would read out of bounds."""
-    nblk, bs = planes.l_codes.shape[:2]
     code_dt = mx.float32 if tier.code_dtype() == "float32" else mx.uint8
-    want = {"l_codes": ((nblk, bs, tier.code_width(Dl)), code_dt),
-            "l_scale": ((nblk, bs), mx.float32),
-            "r_codes": ((nblk, bs, tier.code_width(Dr)), code_dt),
-            "r_scale": ((nblk, bs), mx.float32)}
-    for name, (shape, dt) in want.items():
+    for name, shape in plane_shapes(tier, planes, Dl, Dr).items():
+        dt = code_dt if name.endswith("codes") else mx.float32
         a = getattr(planes, name)
         if tuple(a.shape) != shape or a.dtype != dt:
             raise ValueError(f"planes.{name} is {a.dtype} {tuple(a.shape)}; tier {tier.name} "
@@ -133,14 +129,11 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
     B, Q, H, Dl = q_lat.shape
     Dr = q_rope.shape[-1]
     if (q_pos.shape != (B, Q) or tuple(q_rope.shape[:3]) != (B, Q, H)
-            or block_tables.ndim != 2 or block_tables.shape[0] != B
-            or planes.l_codes.ndim != 3 or planes.l_codes.shape[-1] != tier.code_width(Dl)
-            or planes.r_codes.shape[-1] != tier.code_width(Dr)):
+            or block_tables.ndim != 2 or block_tables.shape[0] != B):
         raise ValueError(f"shape mismatch: q_lat {tuple(q_lat.shape)} q_rope "
                          f"{tuple(q_rope.shape)} q_pos {q_pos.shape} block_tables "
-                         f"{block_tables.shape} l_codes {tuple(planes.l_codes.shape)} "
-                         f"r_codes {tuple(planes.r_codes.shape)} for tier {tier.name}")
-    _check_planes(tier, planes, Dl, Dr)
+                         f"{block_tables.shape} for tier {tier.name}")
+    _check_planes(tier, planes, Dl, Dr)  # (the planes against each other and these widths)
     bs = planes.l_codes.shape[1]
     n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
     block_tables = _visible_tables(block_tables, n_keys, bs, planes.l_codes.shape[0])
