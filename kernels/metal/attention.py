@@ -1,4 +1,5 @@
-"""Paged MLA attention on MLX arrays (absorbed form) for the f32, kv8 and tq4 tiers.
+"""Paged MLA attention on MLX arrays (absorbed form) for the f32, kv8 and tq4 tiers; the
+polar tiers, which have no MLX attention, go through the numpy reference.
 
 Same contract as kernels/cpu/attention.py: planes = LayerPlanes of mx arrays
 (l_codes [nblk, bs, wL], l_scale [nblk, bs], r_codes [nblk, bs, wR], r_scale [nblk, bs]),
@@ -19,6 +20,11 @@ Positions outside a row's keys get w = 0 (and V = 0 for f32, whose garbage may b
 pool garbage never reaches a sum. Where Metal is on, a hand-written kernel
 (kernels/metal/native.py, guarded by a self-check) serves the call instead; every call the
 op path serves is counted in `stats.fallback["paged_attention"]` (see backend.py).
+
+Polar tiers: the blocks the call can see are copied to host numpy arrays (on a Mac that
+memory is the GPU's too) and kernels/cpu/attention.py attends them; each such call is counted
+in `stats.fallback["paged_attention_<tier>"]` and the first one is logged, as the CUDA pool
+does for polar (a fleet shares one tier, so a Mac node runs what its peers run, slower).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from kernels.cpu import attention as cpu_attention
 from kernels.cpu.attention import LayerPlanes, plane_shapes
 from kernels.cpu.rotation import rotatable
 from kernels.metal import native as metal_native
@@ -116,14 +123,16 @@ def _visible_tables(block_tables: np.ndarray, n_keys: np.ndarray, bs: int,
 def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_lat: mx.array,
                         q_rope: mx.array, q_pos, scale: float, *,
                         stats: KernelStats | None = None, chunk_tokens: int = 2048,
-                        native: bool = True) -> mx.array:
+                        native: bool = True, rebuilds=None) -> mx.array:
     """Absorbed MLA attention through block tables on MLX arrays; see the module docstring.
     With `native` (the default) the hand-written Metal kernel serves the call where it is
-    usable (kernels/metal/native.py); otherwise the MLX-op path does, counted in `stats`."""
+    usable (kernels/metal/native.py); otherwise the MLX-op path does, counted in `stats`.
+    A polar tier goes through the numpy reference (counted in `stats`); `rebuilds` (a
+    consumers.WorkCounter, required then) counts the rows it rebuilds to float32."""
     tier = get_tier(tier)
-    if tier.kind not in SUPPORTED:
+    if tier.kind not in SUPPORTED and tier.kind != "polar":
         raise TierError(f"{tier.name}: no MLX attention for kind {tier.kind!r}; "
-                        f"use one of f32, kv8, tq4")
+                        f"use one of f32, kv8, tq4 or a polar tier")
     q_pos = np.asarray(q_pos, np.int64)
     block_tables = np.asarray(block_tables, np.int32)
     B, Q, H, Dl = q_lat.shape
@@ -137,6 +146,9 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
     bs = planes.l_codes.shape[1]
     n_keys = q_pos.max(axis=1, initial=-1) + 1  # [B] keys each row can see at most
     block_tables = _visible_tables(block_tables, n_keys, bs, planes.l_codes.shape[0])
+    if tier.kind not in SUPPORTED:
+        return _numpy_attention(tier, planes, block_tables, q_lat, q_rope, q_pos, scale,
+                                stats, rebuilds)
     if native and metal_native.usable(tier.name, Dl, Dr, bs):
         if stats is not None:
             stats.count_native("paged_attention")
@@ -173,3 +185,27 @@ def paged_mla_attention(tier: Tier | str, planes: LayerPlanes, block_tables, q_l
     if rot_l:
         ctx = rotation.unrotate_fast(ctx)
     return ctx.reshape(B, Q, H, Dl)
+
+
+def _numpy_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray, q_lat, q_rope,
+                     q_pos: np.ndarray, scale: float, stats: KernelStats | None,
+                     rebuilds) -> mx.array:
+    """kernels/cpu/attention.py over host copies of the blocks some visible key lies in
+    (block_tables as _visible_tables leaves it: -1 elsewhere), renumbered 0..k-1."""
+    if rebuilds is None:
+        raise ValueError(f"{tier.name}: the numpy attention of a polar tier needs `rebuilds` "
+                         f"(a consumers.WorkCounter for the rows it rebuilds)")
+    if stats is not None:
+        stats.count_fallback(f"paged_attention_{tier.name}",
+                             "no MLX attention for this tier; numpy attention")
+    blocks = np.unique(block_tables[block_tables >= 0])
+    remap = np.full(planes.l_codes.shape[0], -1, np.int32)
+    remap[blocks] = np.arange(len(blocks), dtype=np.int32)
+    tables = np.where(block_tables >= 0, remap[np.maximum(block_tables, 0)], -1).astype(np.int32)
+    idx = mx.array(blocks.astype(np.int32))
+    host = LayerPlanes(*(np.array(getattr(planes, f)[idx])
+                         for f in ("l_codes", "l_scale", "r_codes", "r_scale")))
+    ctx = cpu_attention.paged_mla_attention(
+        tier, host, tables, np.array(q_lat.astype(mx.float32)),
+        np.array(q_rope.astype(mx.float32)), q_pos, scale, counter=rebuilds)
+    return mx.array(ctx)

@@ -2,7 +2,9 @@
 workers. Slot and block bookkeeping (alloc/free/truncate/lengths/block tables, byte
 accounting) is kvstore.pool.KVPool's, inherited unchanged; this class only replaces where
 the planes live, how rows are encoded (kernels/metal/codecs.py, bit-identical to numpy)
-and how a layer is attended (kernels/metal/attention.py).
+and how a layer is attended (kernels/metal/attention.py). The polar tiers have neither an
+MLX codec nor an MLX attention: both run the numpy reference on host copies, each call
+counted in `stats.fallback` (the first logged), as DevicePool does on CUDA.
 
 Plane layout is KVPool's (see kvstore/pool.py): per layer LayerPlanes of mx arrays
 l_codes [n_blocks, bs, wL], l_scale [n_blocks, bs], r_codes [n_blocks, bs, wR],
@@ -26,9 +28,6 @@ class MLXKVPool(KVPool):
         # KVPool builds the bookkeeping; zero layers so that it allocates no numpy planes
         super().__init__(0, kv_lora, rope, tier, n_blocks, block_size, max_slots,
                          max_blocks_per_slot)
-        if self.tier.kind not in attention.SUPPORTED:
-            raise ValueError(f"tier {self.tier.name!r} has no Metal attention; a metal "
-                             f"worker takes tier f32, kv8 or tq4")
         self.n_layers = n_layers
         self.stats = stats if stats is not None else KernelStats()
         dt = mx.float32 if self.tier.code_dtype() == "float32" else mx.uint8
@@ -86,5 +85,5 @@ class MLXKVPool(KVPool):
         qr[inv_m, rank_m] = codecs.as_mx(q_rope)
         ctx = attention.paged_mla_attention(self.tier, self.planes[layer],
                                             self.block_tables[uniq], ql, qr, q_pos, scale,
-                                            stats=self.stats)
+                                            stats=self.stats, rebuilds=self.rebuilds)
         return ctx[inv_m, rank_m]

@@ -10,7 +10,7 @@ from kernels.cpu import attention as cpu_attn  # noqa: E402
 from kernels.cpu import codecs as cpu_codecs  # noqa: E402
 from kernels.metal.attention import paged_mla_attention  # noqa: E402
 from kernels.metal.backend import KernelStats  # noqa: E402
-from kernels.tiers import TierError, get_tier  # noqa: E402
+from kernels.tiers import get_tier  # noqa: E402
 
 TIERS = ["f32", "kv8", "tq4"]
 
@@ -154,8 +154,9 @@ def test_all_padding_gives_zeros_and_bad_shapes_are_named():
     assert np.all(np.array(out) == 0)
     with pytest.raises(ValueError, match="q_pos"):
         paged_mla_attention("f32", to_mx(planes), tables, q, qr, np.zeros((2, 1)), 1.0)
-    with pytest.raises(TierError, match="polar3"):
-        paged_mla_attention("polar3", to_mx(planes), tables, q, qr, np.zeros((1, 1)), 1.0)
+    p3, t3, _ = make_pool(rng, "polar3", [4], 16, 8, 4)
+    with pytest.raises(ValueError, match="rebuilds"):  # (the numpy path's row counter)
+        paged_mla_attention("polar3", to_mx(p3), t3, q, qr, np.zeros((1, 1)), 1.0)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -193,6 +194,45 @@ def test_mlx_pool_matches_numpy_pool(tier):
         p.free_slot(slots[1])
     assert pools[0].bytes_in_use() == pools[1].bytes_in_use()
     assert pools[1].length(slots[0]) == 20 and pools[1].free_slots() == 2
+
+
+@pytest.mark.parametrize("tier", ["polar3", "polar5"])
+def test_polar_pool_attends_through_the_numpy_reference(tier):
+    """The polar tiers have no MLX codec or attention: MLXKVPool runs the numpy ones on host
+    copies of the blocks a call can see. Same codes as KVPool, the same attention bits, the
+    same rows rebuilt, every call counted as a fallback. Blocks interleaved between slots
+    (shuffled tables), NaN scales and 0xFF codes in every unwritten position, ragged
+    lengths, a prefill chunk beside the decode queries."""
+    from kernels.metal.pool import MLXKVPool
+    from kvstore.pool import KVPool
+    rng = np.random.default_rng(5)
+    Dl, Dr, H = 64, 16, 2
+    pools = [cls(2, Dl, Dr, tier, n_blocks=24, block_size=4, max_slots=4) for cls in (KVPool, MLXKVPool)]
+    for p in pools:
+        slots = [p.alloc_slot() for _ in range(3)]
+    lengths = [(slots[0], 0, 9), (slots[1], 0, 3), (slots[2], 0, 13), (slots[0], 9, 22), (slots[1], 3, 5)]
+    for s, a, b in lengths:  # in rounds, so that the slots' blocks interleave
+        L = rng.standard_normal((b - a, Dl)).astype(np.float32) * rng.uniform(0.01, 50)
+        R = rng.standard_normal((b - a, Dr)).astype(np.float32)
+        for p in pools:
+            p.write(1, [s] * (b - a), np.arange(a, b), L, R)
+    t0 = pools[1].block_tables[slots[0]]
+    assert np.any(np.diff(t0[t0 >= 0]) != 1)  # slot 0's blocks are not one run
+    for s in slots:
+        for x, y in zip(pools[0].read_rows(s, 1), pools[1].read_rows(s, 1)):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    q_slots = np.array([slots[1], slots[0], slots[2], slots[0], slots[0]])
+    q_posn = np.array([4, 21, 12, 15, 16])
+    ql = rng.standard_normal((5, H, Dl)).astype(np.float32)
+    qr = rng.standard_normal((5, H, Dr)).astype(np.float32)
+    ref = pools[0].attend(1, q_slots, q_posn, ql, qr, 0.3)
+    got = pools[1].attend(1, q_slots, q_posn, mx.array(ql), mx.array(qr), 0.3)
+    assert isinstance(got, mx.array) and not np.isnan(ref).any()
+    np.testing.assert_array_equal(np.array(got), ref)
+    assert pools[1].rebuilds.value == pools[0].rebuilds.value > 0
+    fb = pools[1].stats.fallback
+    assert fb[f"paged_attention_{tier}"] == 1 and fb[f"encode_{tier}"] == 2 * len(lengths)
+    assert "paged_attention" not in fb  # (the MLX-op path never ran)
 
 
 def test_native_kernel_guard(monkeypatch):

@@ -115,8 +115,16 @@ def test_load_metal_factory_shares_stats(tiny_dir):
     drained = model.drain_fallbacks()
     assert drained["paged_attention"] == model.config.num_hidden_layers
     assert model.drain_fallbacks() == {}
-    with pytest.raises(ValueError, match="polar3"):
-        load_metal(tiny_dir, "polar3", slots=1, max_context=8)
+
+
+def test_polar_logits_close_to_numpy(models):
+    """A polar tier runs on a metal worker through the numpy codec and attention (a fleet
+    shares one tier): the logits of prefill and 8 decode steps match the numpy model's
+    (tests/metal/test_metal_attention.py checks the counting)."""
+    ref, mlx_model = models
+    _, want = greedy(ref, KVPool, "polar4", PROMPT, 8)
+    _, got = greedy(mlx_model, MLXKVPool, "polar4", PROMPT, 8)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
 def test_backend_selection_and_budget():
