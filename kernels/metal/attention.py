@@ -28,6 +28,7 @@ does for polar (a fleet shares one tier, so a Mac node runs what its peers run, 
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import mlx.core as mx
@@ -197,7 +198,7 @@ def _numpy_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray, 
                          f"(a consumers.WorkCounter for the rows it rebuilds)")
     if stats is not None:
         stats.count_fallback(f"paged_attention_{tier.name}",
-                             "no MLX attention for this tier; numpy attention")
+                             "no MLX attention for this tier; numpy attention", logging.WARNING)
     blocks = np.unique(block_tables[block_tables >= 0])
     remap = np.full(planes.l_codes.shape[0], -1, np.int32)
     remap[blocks] = np.arange(len(blocks), dtype=np.int32)

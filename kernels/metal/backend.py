@@ -7,8 +7,8 @@ and how often a kernel fell back from a hand-written Metal kernel to the MLX-op 
     KernelStats          per-pool/per-model counters: native Metal launches and fallbacks
 
 The counters live on an object that the MLX pool and model own (never a module global), so
-several engines in one Ray process keep separate counts; the first fallback of each object
-is logged once at INFO with its reason.
+several engines in one Ray process keep separate counts; the first fallback of each kind on
+each object is logged with its reason (INFO for the MLX-op path, WARNING for the numpy one).
 """
 from __future__ import annotations
 
@@ -64,22 +64,23 @@ def memory_budget() -> int:
 @dataclass
 class KernelStats:
     """Launch counters of one pool or model: `native[name]` counts hand-written Metal kernel
-    launches, `fallback[name]` counts calls served by the MLX-op path instead."""
+    launches, `fallback[name]` counts calls served by a slower path instead (the MLX-op
+    path, or for the polar tiers the numpy reference). The first fallback of each name is
+    logged with its reason: at INFO by default (the MLX-op path, which every call takes
+    where there is no Metal), at the level the caller gives for the numpy paths (WARNING)."""
     native: Counter = field(default_factory=Counter)
     fallback: Counter = field(default_factory=Counter)
     _since_drain: Counter = field(default_factory=Counter)
-    _logged: bool = False
 
     def count_native(self, kernel: str) -> None:
         self.native[kernel] += 1
 
-    def count_fallback(self, kernel: str, reason: str) -> None:
+    def count_fallback(self, kernel: str, reason: str, level: int = logging.INFO) -> None:
+        if not self.fallback[kernel]:
+            log.log(level, "metal: %s falls back (%s); its further fallbacks are only counted",
+                    kernel, reason)
         self.fallback[kernel] += 1
         self._since_drain[kernel] += 1
-        if not self._logged:
-            self._logged = True
-            log.info("metal: %s runs on the MLX-op path (%s); further fallbacks are only "
-                     "counted", kernel, reason)
 
     def fallback_count(self) -> int:
         """Total fallbacks, all kernels together (what the metrics export)."""

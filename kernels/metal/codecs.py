@@ -10,6 +10,8 @@ fallbacks in the `stats` object when one is given.
 """
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 import numpy as np
 
@@ -46,7 +48,8 @@ def encode_rows(tier: Tier | str, x, stats: KernelStats | None = None
         codes, scales = tq4.encode(rows)
     else:
         if stats is not None:
-            stats.count_fallback(f"encode_{tier.name}", "no MLX codec; numpy encode")
+            stats.count_fallback(f"encode_{tier.name}", "no MLX codec; numpy encode",
+                                 logging.WARNING)
         c, s = cpu_codecs.encode_rows(tier, np.array(rows))
         codes, scales = mx.array(c), mx.array(s)
     return codes.reshape(*lead, width), scales.reshape(lead)
@@ -77,6 +80,7 @@ def decode_rows(tier: Tier | str, codes, scales, n: int,
         out = tq4.decode(flat, s, n)
     else:
         if stats is not None:
-            stats.count_fallback(f"decode_{tier.name}", "no MLX codec; numpy decode")
+            stats.count_fallback(f"decode_{tier.name}", "no MLX codec; numpy decode",
+                                 logging.WARNING)
         out = mx.array(cpu_codecs.decode_rows(tier, np.array(flat), np.array(s), n))
     return out.reshape(*lead, n)

@@ -197,7 +197,7 @@ def test_mlx_pool_matches_numpy_pool(tier):
 
 
 @pytest.mark.parametrize("tier", ["polar3", "polar5"])
-def test_polar_pool_attends_through_the_numpy_reference(tier):
+def test_polar_pool_attends_through_the_numpy_reference(tier, caplog):
     """The polar tiers have no MLX codec or attention: MLXKVPool runs the numpy ones on host
     copies of the blocks a call can see. Same codes as KVPool, the same attention bits, the
     same rows rebuilt, every call counted as a fallback. Blocks interleaved between slots
@@ -233,6 +233,9 @@ def test_polar_pool_attends_through_the_numpy_reference(tier):
     fb = pools[1].stats.fallback
     assert fb[f"paged_attention_{tier}"] == 1 and fb[f"encode_{tier}"] == 2 * len(lengths)
     assert "paged_attention" not in fb  # (the MLX-op path never ran)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum(f"paged_attention_{tier} falls back" in m for m in warned) == 1
+    assert sum(f"encode_{tier} falls back" in m for m in warned) == 1
 
 
 def test_native_kernel_guard(monkeypatch):
