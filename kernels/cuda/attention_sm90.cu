@@ -221,6 +221,11 @@ __device__ __forceinline__ unsigned long long clk64() {
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory");
     return c;
 }
+__device__ __forceinline__ unsigned long long gtimer() {  // ns, the same clock on every SM
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 r;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -509,10 +514,11 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
     // lane 0 of warp 4c, [1024 + h] the producer's issue of half-tile h, [2000..2003] start,
     // end of the prologue, end of the epilogue, the first __syncthreads passed,
     // [2004..2006] consumer 0's setmaxnreg done, its Q^T loads issued, its Q^T stores done,
-    // [2007] the producer's setmaxnreg done
+    // [2007] the producer's setmaxnreg done, [2009], [2010] %globaltimer (ns, one clock for
+    // all SMs) at the start and at the end of the epilogue
     unsigned long long* prof = (unsigned long long*)(o_part + (size_t)gridDim.x * Hpad * DL) +
                                ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * 4096;
-    if (PROF && tid == 0) prof[2000] = clk64();
+    if (PROF && tid == 0) { prof[2000] = clk64(); prof[2009] = gtimer(); }
     if (PDLT) grid_dep_launch();  // attn_combine may be placed now (it waits for this grid's end)
     const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);  // provably warp-uniform
     const int w_id = blockIdx.x, h0 = blockIdx.y * HN;
@@ -1433,7 +1439,7 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
         }
     if (PROF) {
         bar_sync(3, 256);
-        if (ctid == 0) prof[2002] = clk64();
+        if (ctid == 0) { prof[2002] = clk64(); prof[2010] = gtimer(); }
     }
     }
 }

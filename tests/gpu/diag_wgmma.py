@@ -337,6 +337,14 @@ def prof() -> None:
         print(f"  consumer 0: setmaxnreg {at(st[:, 2004]):.0f}, Q^T loads issued "
               f"{at(st[:, 2005]):.0f}, stored {at(st[:, 2006]):.0f} cycles", flush=True)
         print(f"  producer: setmaxnreg {at(st[:, 2007]):.0f} cycles", flush=True)
+        # the spread over CTAs: durations (SM cycles) and, on the one global clock (ns),
+        # when each started and ended relative to the first start
+        dur = st[:, 2002] - st[:, 2000]
+        g0, g1 = st[:, 2009] - st[:, 2009].min(), st[:, 2010] - st[:, 2009].min()
+        print(f"  CTA durations: min {dur.min()}, median {np.median(dur):.0f}, p90 "
+              f"{np.percentile(dur, 90):.0f}, max {dur.max()} cycles; starts 0..{g0.max()} ns "
+              f"(median {np.median(g0):.0f}); ends median {np.median(g1):.0f}, p90 "
+              f"{np.percentile(g1, 90):.0f}, max {g1.max()} ns", flush=True)
         planes = tables = None
         cp.get_default_memory_pool().free_all_blocks()
 
