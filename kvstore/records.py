@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
-from kernels.tiers import Tier, get_tier
+from kernels.tiers import Tier, TierError, get_tier
 from kvstore.fingerprint import Fingerprint
 
 F32_MAX = np.float32(3.4e38)
@@ -210,6 +210,12 @@ def requantize(recs: KVRecords, src: Tier | str, dst: Tier | str, fp: Fingerprin
     if src == dst:
         return recs
     from kernels.cpu.codecs import decode_rows, encode_rows  # written by the codecs helper
+    from kernels.cpu.rotation import rotatable
+    if dst.kind in ("tq", "polar") and not (rotatable(fp.kv_lora) and rotatable(fp.rope)):
+        # (the codecs store such rows as inert zeros: every record would be thrown away)
+        raise TierError(f"tier {dst.name} rotates rows, which needs power-of-two widths "
+                        f"2..2048; these records have kv_lora={fp.kv_lora} and rope={fp.rope}: "
+                        f"use f32 or kv8")
 
     def f32(codes, scale, n):
         return codes if src.kind == "f32" else decode_rows(src, codes, scale, n)

@@ -14,6 +14,7 @@ from cluster.cli import main
 from diskdata import FP, FP_DSA, encoded, overwrite, records, same
 from kvstore.coli import ColiKVFile
 from kvstore.disk import ArrowKVFile
+from kvstore.fingerprint import Fingerprint
 from kvstore.records import KVRecords
 
 
@@ -141,6 +142,19 @@ def test_convert_errors(tmp_path, capsys):
     rc, _, _ = run(capsys, "kv", "convert", p, tmp_path / "k.coli_kv", "--to", "kv8")
     got = ColiKVFile(tmp_path / "k.coli_kv", FP, "kv8").load()
     assert rc == 0 and np.isfinite(got.l_scale).all() and (got.l_scale > 0).all()
+
+
+@pytest.mark.parametrize("to", ["tq4", "polar3"])
+def test_convert_refuses_widths_the_rotation_cannot_take(tmp_path, capsys, to):
+    # kv_lora 48 is even but not a power of two: the codecs store every such row as inert
+    # zeros, so convert used to exit 0 with a file whose rows all decode to nothing.
+    fp = Fingerprint(2, 48, 8, 0, 0, 100)
+    p = tmp_path / "c.arrow"
+    write(ArrowKVFile, p, fp, "f32", [records(fp, "f32", 4)])
+    rc, out, err = run(capsys, "kv", "convert", p, tmp_path / "o.arrow", "--to", to)
+    assert rc == 2 and f"--to {to}" in err and "kv_lora=48" in err and "wrote" not in out
+    assert not (tmp_path / "o.arrow").exists()
+    assert run(capsys, "kv", "convert", p, tmp_path / "k.arrow", "--to", "kv8")[0] == 0
 
 
 def test_convert_refuses_a_file_a_job_holds(tmp_path, capsys):
