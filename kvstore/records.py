@@ -162,7 +162,8 @@ def sanitize(tier: Tier | str, recs: KVRecords) -> int:
     """Repair rows a loader must not trust, in place; returns how many rows were touched.
 
     kv8: a scale outside (0, 3.4e38) (NaN too) -> row codes 0, scale 1; codes 0x7F/0xFF
-    (the e4m3fn NaNs) -> 0. tq/polar: a radius outside [0, 3.4e38) -> 0. f32: untouched.
+    (the e4m3fn NaNs) -> 0. tq/polar: a radius outside [0, 3.4e38] -> 0 (3.4e38 itself is
+    the radius of a live row: the encoders make rows inert only above it). f32: untouched.
     """
     tier = get_tier(tier)
     touched = 0
@@ -182,7 +183,7 @@ def sanitize(tier: Tier | str, recs: KVRecords) -> int:
             touched += int(bad.sum()) + int(hit[0].size)
     elif tier.kind in ("tq", "polar"):
         for scale in (recs.l_scale, recs.r_scale):
-            bad = ~((scale >= 0) & (scale < F32_MAX))
+            bad = ~((scale >= 0) & (scale <= F32_MAX))
             scale[bad] = 0.0
             touched += int(bad.sum())
     return touched

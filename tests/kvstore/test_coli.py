@@ -180,6 +180,24 @@ def test_sanitize_kv8_and_radius(tmp_path):
     np.testing.assert_array_equal(got.r_codes, t.r_codes)  # codes kept; radius 0 decodes to 0
 
 
+@pytest.mark.parametrize("tier", ["tq4", "polar2", "polar6"])
+def test_largest_live_radius_survives_save_load(tmp_path, tier):
+    # A row whose norm is exactly float32(3.4e38) is live (inert only above it): its radius
+    # is 3.4e38, which the loader used to count as invalid and zero.
+    from kernels.cpu.codecs import encode_rows
+    src, _ = encoded(FP, tier, 4, seed=11)
+    src.l_codes[1, 2] = 0.0
+    src.l_codes[1, 2, 7] = np.float32(3.4e38)
+    lc, ls = encode_rows(tier, src.l_codes)
+    rc, rs = encode_rows(tier, src.r_codes)
+    assert ls[1, 2] == np.float32(3.4e38)
+    enc = KVRecords(src.tokens, lc, ls, rc, rs)
+    f = ColiKVFile(tmp_path / "c.coli_kv", FP, tier)
+    f.append(enc)
+    g = ColiKVFile(tmp_path / "c.coli_kv", FP, tier)
+    assert same(g.load(), enc) and g.message is None
+
+
 @pytest.mark.parametrize("width,offset", [(64, 0), (64, 1), (512, 4), (36, 4), (10, 3)])
 def test_nan_code_scan_matches_plain_check(width, offset):
     from kvstore.records import _has_nan_code
