@@ -94,7 +94,7 @@ class CacheFile:
     # ---- public ---------------------------------------------------------------------
     def load(self) -> KVRecords:
         """Read the file under the load rules; returns the records to resume from."""
-        self._kept, self._heal_to, self._n, self.message = None, None, 0, None
+        self._kept, self._heal_to, self._n, self.message, self.plan = None, None, 0, None, None
         if not os.path.exists(self.path):
             self._mode = "new"
             return self.layout.empty()

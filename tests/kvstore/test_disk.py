@@ -120,6 +120,17 @@ def test_not_a_cache_starts_clean(tmp_path):
     assert len(ArrowKVFile(p, FP, "kv8").load()) == 2
 
 
+def test_reload_of_a_spoiled_file_forgets_the_old_plan(tmp_path):
+    # load() again on the same object, after the header went bad: it used to keep the first
+    # load's plan ("load") while the message said it started clean.
+    p = tmp_path / "c.arrow"
+    f = ArrowKVFile(p, FP, "kv8")
+    f.append(records(FP, "kv8", 3))
+    assert len(f.load()) == 3 and f.plan.action == "load"
+    overwrite(p, b"hello, this is not arrow")
+    assert len(f.load()) == 0 and "not an Arrow IPC stream" in f.message and f.plan is None
+
+
 def _three_batches(p, fp, tier, last=2):
     parts = [records(fp, tier, n, seed=i) for i, n in enumerate([3, 2, last])]
     save(p, fp, tier, parts)
