@@ -150,7 +150,7 @@ def parse_line(text: str, line: int) -> Request | InputError:
     kw = {}
     for name, kind, ok, rule in (
             ("max_tokens", int, lambda v: v >= 1, ">= 1"),
-            ("temperature", float, lambda v: math.isfinite(v) and v >= 0, ">= 0"),
+            ("temperature", float, lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
             ("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("seed", int, lambda v: 0 <= v < 2 ** 64, "in [0, 2**64)")):
         if obj.get(name) is None:
@@ -159,8 +159,12 @@ def parse_line(text: str, line: int) -> Request | InputError:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and
                                                                       not isinstance(v, int)):
             return bad(f"'{name}' must be {kind.__name__}, got {v!r}")
-        if not ok(v):
-            return bad(f"'{name}'={v!r} must be {rule}")
+        try:
+            good = ok(v)
+        except OverflowError:  # an int past float range (temperature 10**400; 1e400 reads as inf)
+            good = False
+        if not good:
+            return bad(f"'{name}'={v!r:.80} must be {rule}")
         kw[name] = kind(v)
     stop = obj.get("stop")
     if stop is None:

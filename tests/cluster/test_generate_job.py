@@ -62,6 +62,8 @@ def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
         18: (json.dumps({"id": "k", "prompt": "x"}), "duplicate id 'k' (first on line 13)"),
         19: (json.dumps({"id": "#line2", "prompt": "x"}), "is reserved"),  # line 2's key
         20: (json.dumps({"id": "f", "prompt": "x", "stop": 0}), "'stop' must be"),
+        # an int past float range (was an OverflowError that ended the job)
+        21: (json.dumps({"id": "h", "prompt": "x", "temperature": 10 ** 400}), "'temperature'="),
     }
     lines = list(good)
     for at in sorted(bad):  # 1-based line numbers in the final file
