@@ -115,6 +115,11 @@ def parse_line(text: str, line: int) -> Request | InputError:
         return InputError(line, f"line {line}: malformed JSON: {e.msg} at column {e.colno}")
     if not isinstance(obj, dict):
         return InputError(line, f"line {line}: expected a JSON object, got {type(obj).__name__}")
+    try:  # a lone surrogate escape ("\ud800") parses, but no tokenizer or Parquet file takes it
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return InputError(line, f"line {line}: {e.object[e.start:e.end]!r} is a lone surrogate, "
+                                f"not valid Unicode text")
     raw_id = obj.get("id")
     rid = str(raw_id) if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
     prompt = obj.get("prompt") if isinstance(obj.get("prompt"), str) else None

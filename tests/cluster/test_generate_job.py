@@ -64,6 +64,10 @@ def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
         20: (json.dumps({"id": "f", "prompt": "x", "stop": 0}), "'stop' must be"),
         # an int past float range (was an OverflowError that ended the job)
         21: (json.dumps({"id": "h", "prompt": "x", "temperature": 10 ** 400}), "'temperature'="),
+        # lone surrogate escapes (were a TypeError from the tokenizer, or a part file that
+        # could not be written, both ending the job)
+        22: (json.dumps({"id": "v", "prompt": "x\ud800y"}), "lone surrogate"),
+        23: (json.dumps({"id": "w\udc00", "prompt": "x"}), "lone surrogate"),
     }
     lines = list(good)
     for at in sorted(bad):  # 1-based line numbers in the final file
