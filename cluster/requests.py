@@ -109,6 +109,10 @@ def results_table(results: list[Result]) -> pa.Table:
 
 
 def parse_line(text: str, line: int) -> Request | InputError:
+    try:  # read_requests keeps bytes that are not UTF-8 as lone surrogates (surrogateescape)
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return InputError(line, f"line {line}: not valid UTF-8 text (at column {e.start + 1})")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -192,7 +196,7 @@ def read_requests(path: str | Path) -> Iterator[Request | InputError]:
     an error on its later lines, whether its first line was valid or not (so that every
     line keeps a row of its own: rows are keyed by id)."""
     first_line: dict[str, int] = {}
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for n, text in enumerate(f, start=1):
             if not text.strip():
                 continue

@@ -88,6 +88,18 @@ def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
     same_completions(ok, reference)  # the bad lines changed nothing for the good ones
 
 
+def test_line_that_is_not_utf8_is_an_error_not_a_changed_prompt(tmp_path):
+    """A byte that is not UTF-8 (here latin-1's e-acute) was replaced by U+FFFD and the
+    changed prompt generated as if the user had written it."""
+    from cluster.requests import InputError, Request, read_requests
+    p = tmp_path / "p.jsonl"
+    p.write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n{"id": "b", "prompt": "caf\xc3\xa9"}\n')
+    a, b = read_requests(p)
+    assert isinstance(a, InputError) and a.error == "line 1: not valid UTF-8 text (at column 27)"
+    assert a.id is None and a.prompt is None
+    assert isinstance(b, Request) and b.prompt == "caf\u00e9"
+
+
 def test_resume_after_limit_skips_done_ids(tiny, tmp_path, reference):
     prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N))
     out = tmp_path / "out.parquet"
