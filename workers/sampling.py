@@ -36,7 +36,9 @@ def sample_rows(logits: np.ndarray, temperature: np.ndarray, top_p: np.ndarray,
     p = np.exp(zs - zs[:, :1])
     p /= p.sum(axis=-1, keepdims=True)
     before = np.cumsum(p, axis=-1) - p  # mass of the more likely tokens
-    p = np.where(before < np.asarray(top_p, np.float64)[hot, None], p, 0.0)  # keeps >= 1 token
+    keep = before < np.asarray(top_p, np.float64)[hot, None]
+    keep[:, 0] = True  # the most likely token, also where top_p is 0 (a tiny one as float32)
+    p = np.where(keep, p, 0.0)
     cdf = np.cumsum(p, axis=-1)
     u = _uniform(np.asarray(seed)[hot], np.asarray(counter)[hot]) * cdf[:, -1]
     pick = np.minimum((cdf <= u[:, None]).sum(axis=-1), p.shape[1] - 1)

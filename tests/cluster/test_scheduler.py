@@ -162,6 +162,17 @@ def test_sampling_rows_reference():
     np.testing.assert_allclose(np.bincount(draws, minlength=3) / 3000, [0.6, 0.3, 0.1], atol=0.03)
 
 
+
+def test_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p=1e-46 is valid (in (0, 1]) but is 0 as the float32 the scheduler sends; the
+    nucleus then kept no token and the draw fell to the least likely one."""
+    logits = np.array([[5.0, 1.0, 0.0, -3.0]] * 8, np.float32)
+    for top_p in (np.float32(1e-46), 0.0, 1e-9):
+        got = sample_rows(logits, np.ones(8, np.float32), np.full(8, top_p, np.float32),
+                          np.arange(8, dtype=np.uint64), np.arange(8, dtype=np.uint64))
+        assert got.tolist() == [0] * 8, top_p
+
+
 # -- the real tiny model through the real KV pool, per tier ---------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
