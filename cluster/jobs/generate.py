@@ -53,15 +53,18 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
                  limit: int | None = None, progress: bool | None = None) -> Summary:
     """`limit` = admit at most that many runnable prompts (the rest waits for a rerun)."""
     t0 = time.perf_counter()
-    from workers.config import ModelConfig
-    from workers.tokenizer import Tokenizer
+    from workers.config import ConfigError, ModelConfig
+    from workers.tokenizer import Tokenizer, TokenizerError
     if not (cfg.model / "config.json").exists():
         raise JobConfigError(f"model: {cfg.model} has no config.json (set `model:` in the "
                              f"config, --model, or KVFLEET_MODEL)")
-    mcfg = ModelConfig.from_file(cfg.model / "config.json")
+    try:  # (both name the file)
+        mcfg = ModelConfig.from_file(cfg.model / "config.json")
+        tok = Tokenizer.from_dir(cfg.model)
+    except (ConfigError, TokenizerError) as e:
+        raise JobConfigError(f"model: {e}") from None
     if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
         raise JobConfigError(f"model {cfg.model}: {why}")
-    tok = Tokenizer.from_dir(cfg.model)
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     done = store.done_keys()
     skipped, errors, items = 0, [], []

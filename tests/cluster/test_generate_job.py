@@ -100,6 +100,22 @@ def test_line_that_is_not_utf8_is_an_error_not_a_changed_prompt(tmp_path):
     assert isinstance(b, Request) and b.prompt == "caf\u00e9"
 
 
+def test_bad_model_dir_is_a_usage_error(tiny, tmp_path):
+    """A model dir with a broken config.json or no tokenizer.json is a JobConfigError naming
+    the file (kvfleet generate: exit 2, no traceback); they were a ConfigError and a
+    TokenizerError that the CLI did not catch."""
+    import shutil
+    from cluster.config import JobConfigError
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    bad_cfg, no_tok = shutil.copytree(tiny, tmp_path / "m1"), shutil.copytree(tiny, tmp_path / "m2")
+    (bad_cfg / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    (no_tok / "tokenizer.json").unlink()
+    for model, match in ((bad_cfg, "missing required field 'vocab_size'"),
+                         (no_tok, "no tokenizer.json")):
+        with pytest.raises(JobConfigError, match=f"^model: {model}/.*{match}"):
+            run_generate(config(model), prompts, tmp_path / "out.parquet", progress=False)
+
+
 def test_resume_after_limit_skips_done_ids(tiny, tmp_path, reference):
     prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N))
     out = tmp_path / "out.parquet"
