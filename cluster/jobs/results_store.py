@@ -100,11 +100,11 @@ class ResultStore:
             try:
                 t = pq.read_table(p)
             except (OSError, pa.ArrowInvalid) as e:
-                raise RuntimeError(f"{p}: cannot read earlier results ({e}); move it away "
-                                   f"to start over") from None
+                raise JobConfigError(f"{p}: cannot read earlier results ({e}); move it away "
+                                     f"to start over") from None
             missing = set(SCHEMA.names) - set(t.column_names)
             if missing - LATER_COLUMNS:
-                raise RuntimeError(f"{p}: not a kvfleet results file (missing {sorted(missing)})")
+                raise JobConfigError(f"{p}: not a kvfleet results file (missing {sorted(missing)})")
             for name in sorted(missing):  # written before that column existed
                 t = t.append_column(SCHEMA.field(name), pa.nulls(t.num_rows, SCHEMA.field(name).type))
             tables.append(t.select(SCHEMA.names).cast(SCHEMA))

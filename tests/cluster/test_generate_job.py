@@ -116,6 +116,21 @@ def test_bad_model_dir_is_a_usage_error(tiny, tmp_path):
             run_generate(config(model), prompts, tmp_path / "out.parquet", progress=False)
 
 
+def test_unreadable_or_foreign_out_is_a_usage_error(tmp_path):
+    """An --out that is not a kvfleet results file is a JobConfigError naming it (exit 2);
+    it was a RuntimeError, a traceback from the CLI."""
+    import pyarrow as pa
+    from cluster.config import JobConfigError
+    from cluster.jobs.results_store import ResultStore
+    corrupt, foreign = tmp_path / "corrupt.parquet", tmp_path / "foreign.parquet"
+    corrupt.write_bytes(b"not parquet")
+    pq.write_table(pa.table({"x": [1]}), foreign)
+    with pytest.raises(JobConfigError, match=f"{corrupt}: cannot read earlier results"):
+        ResultStore(corrupt).done_keys()
+    with pytest.raises(JobConfigError, match=f"{foreign}: not a kvfleet results file"):
+        ResultStore(foreign).done_keys()
+
+
 def test_resume_after_limit_skips_done_ids(tiny, tmp_path, reference):
     prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(N))
     out = tmp_path / "out.parquet"
