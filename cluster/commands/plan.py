@@ -86,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
         fleet = Fleet.from_file(args.config)
         fp = _footprint(args.model_config or fleet.model_path())
         free, probed = _free(args.free_gb), []
+        auto = [d.name for d in fleet.devices() if d.node.memory == "auto"]
+        unknown = sorted(set(free) - set(auto))
+        if unknown:  # (a typo would be measured on this machine instead)
+            raise UsageError(f"--free-gb {', '.join(unknown)}: not an 'auto' device of "
+                             f"{fleet.source}; its 'auto' devices: {auto or 'none'}")
 
         def measure(spec):
             if spec.name in free:

@@ -139,6 +139,18 @@ def test_cli_plan_free_gb_must_be_finite(tmp_path, capsys, value):
     assert f"--free-gb 'box/cpu0={value}': GB must be a finite number >= 0" in capsys.readouterr().err
 
 
+def test_cli_plan_free_gb_must_name_an_auto_device(tmp_path, capsys):
+    """A --free-gb for a device the fleet has not (or whose memory is not 'auto') was ignored:
+    the device was measured on this machine instead."""
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 2}\n"
+                            "  - {name: big, kind: cpu, memory: 512}\n")
+    card = FLEETS.parent / "models" / "glm-5.2.json"
+    for spec in ("box/cpu1=2000", "big/cpu0=100"):
+        assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", spec]) == 2
+        assert (f"--free-gb {spec.partition('=')[0]}: not an 'auto' device of {fleet}; its 'auto' "
+                "devices: ['box/cpu0']") in capsys.readouterr().err
+
+
 def test_failed_probe_names_fleet_file_and_device(tmp_path, monkeypatch, capsys):
     """A probe that fails on this machine is a FleetError (kvfleet plan: exit 2) naming the
     file, the field and the fleet's device, not only the local GPU index."""
