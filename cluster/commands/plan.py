@@ -58,8 +58,9 @@ def _usage(path: Path | None) -> np.ndarray | None:
     if path is None:
         return None
     try:
-        return np.load(path) if path.suffix == ".npy" else np.asarray(json.loads(path.read_text()), dtype=np.float64)
-    except (OSError, ValueError) as e:
+        raw = np.load(path) if path.suffix == ".npy" else json.loads(path.read_text())
+        return np.asarray(raw, dtype=np.float64)
+    except (OSError, ValueError, TypeError) as e:  # (TypeError: a JSON object, not a list)
         raise UsageError(f"--usage {path}: cannot read expert usage counts ({e})") from None
 
 

@@ -115,6 +115,17 @@ def test_two_h200_glm52_int4_pins(capsys):
 
 # --- placement ---------------------------------------------------------------------------
 
+def test_cli_usage_that_is_not_counts_is_a_usage_error(tmp_path, capsys):
+    """--usage holding a JSON object or a .npy of strings was a TypeError / ValueError
+    traceback (the ValueError from inside the planner)."""
+    (tmp_path / "u.json").write_text('{"layer3": [1, 2]}')
+    np.save(tmp_path / "u.npy", np.array([["a", "b"]]))
+    fleet = Path(__file__).resolve().parents[2] / "configs" / "fleets" / "h200x2.yaml"
+    for name in ("u.json", "u.npy"):
+        assert main(["plan", "--config", str(fleet), "--usage", str(tmp_path / name)]) == 2
+        assert f"--usage {tmp_path / name}: cannot read expert usage counts" in capsys.readouterr().err
+
+
 def test_assign_experts_biggest_budget_first():
     experts = expert_order([3, 4], 4, usage=np.array([[9, 1, 5, 0], [2, 8, 7, 3]]))
     assert experts.tolist() == [[3, 0], [4, 1], [4, 2], [3, 2], [4, 3], [4, 0], [3, 1], [3, 3]]
