@@ -149,6 +149,8 @@ class Fleet(_Frozen):
             text = path.read_text()
         except FileNotFoundError:
             raise FleetError(f"{path}: no such fleet file") from None
+        except OSError as e:  # a directory, no permission, ...
+            raise FleetError(f"{path}: cannot read fleet file ({e.strerror})") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -73,6 +73,14 @@ def test_missing_file_and_frozen(tmp_path):
         f.nodes[0].memory = 80.0
 
 
+def test_unreadable_fleet_file_is_a_fleet_error(tmp_path, capsys):
+    """A --config that is a directory was an IsADirectoryError traceback."""
+    with pytest.raises(FleetError, match=f"{tmp_path}: cannot read fleet file \\(Is a directory\\)"):
+        Fleet.from_file(tmp_path)
+    assert main(["plan", "--config", str(tmp_path)]) == 2
+    assert "cannot read fleet file" in capsys.readouterr().err
+
+
 def test_auto_memory_needs_a_measurement(tmp_path):
     f = Fleet.from_file(write(tmp_path, "nodes:\n  - {name: box, kind: cuda, devices: 2, memory: auto, reserve_gb: 1.5}\n"))
     with pytest.raises(FleetError, match="no free memory given for device box/cuda1"):
