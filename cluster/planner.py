@@ -14,7 +14,8 @@ shadow projection is what the dense weights, the pool and the pinned experts may
 
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
-row of every slot: slots x ctx x cached layers x kv8 token bytes. A CUDA device smaller
+row of every slot: slots x ctx x cached layers x kv8 token bytes. (Here and in the pool,
+ctx is counted in whole blocks of BLOCK tokens, as the pool allocates them.) A CUDA device smaller
 than SHADOW_FLOOR_GB gets none: on a 24 GB card the shadow of a single 128k GLM-5 slot
 (6 GB) is a quarter of memory, better spent on the pool and pinned experts; such a device
 uploads host rows straight into its pool. CPU and Metal devices read host memory directly.
@@ -37,7 +38,7 @@ from kernels.tiers import Tier, get_tier
 GB = 10**9
 SHADOW_FLOOR_GB = 32.0
 SHADOW_TIER = "kv8"
-BLOCK = 16  # pool block size: the longest context is reported in whole blocks
+BLOCK = 16  # pool block size: a slot holds whole blocks, so ctx is counted in whole blocks
 KINDS = ("cuda", "cpu", "metal")
 
 
@@ -236,8 +237,9 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
         raise PlanError(f"device names must be unique: {[d.name for d in devices]}")
     dense, eb = fp.dense_bytes, fp.expert_bytes(fmt)
     fixed, rooms = [], []
+    held = -(-ctx // BLOCK) * BLOCK  # (KVPool.for_model gives each slot ceil(ctx / BLOCK) blocks)
     for dev in devices:
-        kv, idx, sh = (ctx * b for b in _per_token(fp, dev, tier, shadow_floor_bytes))
+        kv, idx, sh = (held * b for b in _per_token(fp, dev, tier, shadow_floor_bytes))
         if dense > dev.capacity:
             raise PlanError(f"device {dev.name}: dense weights need {gb(dense)} but its budget is "
                             f"{gb(dev.capacity)} ({gb(dev.memory_bytes)} - reserve {gb(dev.reserve_bytes)})")

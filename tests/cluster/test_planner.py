@@ -264,3 +264,21 @@ def test_ctx_past_max_position_warns():
     p = plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=200_000)
     assert p.to_dict()["warnings"] == ["ctx 200000 exceeds the model's max_position_embeddings 163840"]
     assert plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=4096).warnings == []
+
+
+def test_context_is_counted_in_whole_blocks_as_the_pool_holds_it():
+    """A slot holds whole blocks (KVPool.for_model: ceil(ctx / 16) each), so a ctx of 17
+    takes 32 tokens of pool: the plan counts those bytes, and a budget that fits only 17
+    tokens per slot is refused instead of planned with 0 bytes free."""
+    from kvstore.pool import KVPool
+    fp = Footprint.from_file(Path(__file__).resolve().parents[2] / "models/kvfleet-mini/config.json")
+    ctx, slots, per = 17, 2, fp.kv_bytes_per_token("f32")
+    pool = KVPool.for_model(fp.config, "f32", slots, ctx)
+    pool_bytes = pool.n_blocks * pool.block_size * pool.bytes_per_token()
+    assert pool_bytes == slots * 32 * per
+    fits = fp.dense_bytes + pool_bytes
+    p = plan(fp, [DeviceBudget("d", "cpu", fits, 0, slots)], tier="f32", ctx=ctx)
+    assert p.devices[0].kv_pool_bytes == pool_bytes and p.devices[0].free_bytes >= 0
+    with pytest.raises(PlanError, match="exceed its budget"):
+        plan(fp, [DeviceBudget("d", "cpu", fp.dense_bytes + slots * ctx * per, 0, slots)],
+             tier="f32", ctx=ctx)
