@@ -134,12 +134,21 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
 }
 
 
+_SWITCH_OFF = ("", "0", "false", "no", "off")  # (as KVFLEET_METAL / COLI_METAL read them)
+
+
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    """A switch variable is on unless unset, empty, 0, false, no or off (any case): KV8=false
+    must not turn kv8 on."""
+    return env.get(name, "").strip().lower() not in _SWITCH_OFF
+
+
 def _tier_from_env(env: Mapping[str, str]) -> str | None:
     """The C engine's knobs: KV8=1 -> kv8; KV_TQ=4 -> tq4; KV_TQ=B with KV_TQ_POLAR=1 -> polarB.
     KV_TQ wins over KV8 (with a warning)."""
-    kv8 = env.get("KV8", "").strip() not in ("", "0")
+    kv8 = _switch(env, "KV8")
     tq = env.get("KV_TQ", "").strip()
-    polar = env.get("KV_TQ_POLAR", "").strip() not in ("", "0")
+    polar = _switch(env, "KV_TQ_POLAR")
     if tq in ("", "0"):
         if polar:
             raise JobConfigError("environment KV_TQ_POLAR=1 needs KV_TQ=<bits> (2..6)")

@@ -75,6 +75,12 @@ def test_bad_files(tmp_path):
     ({"KV_TQ": "3", "KV_TQ_POLAR": "1"}, "polar3"),
     ({"KV_TQ": "4", "KV_TQ_POLAR": "1"}, "polar4"),
     ({"KV_TQ": "4", "KV8": "1"}, "tq4"),
+    ({"KV8": "false"}, "f32"),  # (the switches read off as KVFLEET_METAL does)
+    ({"KV8": "Off"}, "f32"),
+    ({"KV8": "no"}, "f32"),
+    ({"KV8": "true"}, "kv8"),
+    ({"KV_TQ": "4", "KV_TQ_POLAR": "false"}, "tq4"),
+    ({"KV_TQ": "4", "KV_TQ_POLAR": "yes"}, "polar4"),
 ])
 def test_env_tier_knobs(env, tier):
     assert load_job_config(env=env).kv == tier
