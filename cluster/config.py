@@ -237,9 +237,11 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise JobConfigError(f"cannot read config {source}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise JobConfigError(f"config {source}: not UTF-8 text (byte {e.start})") from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -146,11 +146,13 @@ class Fleet(_Frozen):
     def from_file(cls, path: str | Path) -> "Fleet":
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise FleetError(f"{path}: no such fleet file") from None
         except OSError as e:  # a directory, no permission, ...
             raise FleetError(f"{path}: cannot read fleet file ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise FleetError(f"{path}: the fleet file is not UTF-8 text (byte {e.start})") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -62,6 +62,10 @@ def test_errors_name_file_and_field(tmp_path, text, where):
 def test_bad_files(tmp_path):
     with pytest.raises(JobConfigError, match="cannot read config"):
         load_job_config(tmp_path / "missing.yaml", env={})
+    latin = tmp_path / "latin.yaml"  # (a UnicodeDecodeError traceback before)
+    latin.write_bytes(b"model: models/caf\xe9\n")
+    with pytest.raises(JobConfigError, match="latin.yaml: not UTF-8 text"):
+        load_job_config(latin, env={})
     with pytest.raises(JobConfigError, match="not valid YAML"):
         load_job_config(write(tmp_path, "kv: [f32\n"), env={})
     with pytest.raises(JobConfigError, match="top level must be a mapping"):

@@ -79,6 +79,10 @@ def test_unreadable_fleet_file_is_a_fleet_error(tmp_path, capsys):
         Fleet.from_file(tmp_path)
     assert main(["plan", "--config", str(tmp_path)]) == 2
     assert "cannot read fleet file" in capsys.readouterr().err
+    latin = tmp_path / "latin.yaml"  # (a UnicodeDecodeError traceback before)
+    latin.write_bytes(b"nodes:\n  - {name: caf\xe9, kind: cpu, devices: 1, memory_gb: 8}\n")
+    with pytest.raises(FleetError, match="latin.yaml: the fleet file is not UTF-8 text"):
+        Fleet.from_file(latin)
 
 
 def test_auto_memory_needs_a_measurement(tmp_path):
