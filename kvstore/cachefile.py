@@ -148,7 +148,10 @@ class CacheFile:
         return self._n
 
     def truncate(self, n: int) -> None:
-        """Keep only the first n records (durable on return)."""
+        """Keep only the first n records: durable on return for a file in the current
+        format. A file being upgraded (or replaced) is only ever replaced whole, by the next
+        append, so until then its old records stay on disk and a fresh load sees them again;
+        each record carries its token, so reuse_prefix keeps only those that match."""
         if self._mode == "unloaded":
             self.load()
         if not 0 <= n <= self.length():

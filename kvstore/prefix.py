@@ -26,7 +26,9 @@ def common_prefix(saved: np.ndarray, prompt: np.ndarray) -> int:
 
 
 def reuse_prefix(f: CacheFile, prompt: np.ndarray, keep_last: int = 1) -> KVRecords:
-    """Load `f` and keep the records matching `prompt`'s prefix, truncating the file to them.
+    """Load `f` and keep the records matching `prompt`'s prefix, truncating the file to them
+    (see CacheFile.truncate for a file that is being upgraded: its cut lands with the next
+    append).
 
     At most len(prompt) - keep_last records are reused, so that the model still runs on
     at least `keep_last` prompt tokens and produces the logits of the last one."""
