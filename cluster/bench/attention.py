@@ -194,9 +194,9 @@ def _device_planes(tier, B: int, T: int, rng):
     else:
         lc = cp.random.randint(0, 256, (n_blocks, BS, wl), dtype=cp.int32).astype(cp.uint8)
         rc = cp.random.randint(0, 256, (n_blocks, BS, wr), dtype=cp.int32).astype(cp.uint8)
-        if tier.kind == "fp8":  # keep the e4m3 NaN codes out, values up to +-448
-            lc[lc == 0x7F] = 0x7E
-            rc[rc == 0x7F] = 0x7E
+        if tier.kind == "fp8":  # keep the e4m3 NaN codes (0x7F, 0xFF) out, values up to +-448
+            lc[(lc & 0x7F) == 0x7F] -= 1
+            rc[(rc & 0x7F) == 0x7F] -= 1
             ls = cp.random.uniform(0.005, 0.02, (n_blocks, BS), dtype=cp.float32)
             rs = cp.random.uniform(0.005, 0.02, (n_blocks, BS), dtype=cp.float32)
         else:
