@@ -103,20 +103,24 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame, greedy: bool) -> dic
 @dataclass(frozen=True)
 class GateFailure:
     metric: str
-    value: float
+    value: float | None  # None: not measured (no data), which fails the rule too
     limit: float
     rule: str
 
     def __str__(self) -> str:
+        if self.value is None:
+            return f"{self.metric} = missing (no data to check against {self.limit:g})"
         return f"{self.metric} = {self.value:g} {self.rule} {self.limit:g}"
 
 
 def apply_gate(summary: dict, gate) -> list[GateFailure]:
     """Check a summary against a gate (an object with min_throughput_ratio,
-    max_parity_breaks, max_lost_requests, max_errors; None disables a rule)."""
+    max_parity_breaks, max_lost_requests, max_errors; None disables a rule). With a B arm,
+    a throughput ratio that no round measured fails its rule: missing data never passes."""
     fails = []
     ratio = summary.get("ratio_B_over_A", {}).get("throughput_tok_s", {}).get("median")
-    if gate.min_throughput_ratio is not None and ratio is not None and ratio < gate.min_throughput_ratio:
+    if (gate.min_throughput_ratio is not None and "ratio_B_over_A" in summary
+            and (ratio is None or ratio < gate.min_throughput_ratio)):
         fails.append(GateFailure("throughput ratio B/A (median)", ratio, gate.min_throughput_ratio, "<"))
     par = summary.get("parity")
     if (gate.max_parity_breaks is not None and par and par["greedy"]

@@ -77,3 +77,21 @@ def test_parity_keys_lines_so_error_rows_without_an_id_do_not_collide():
     par = parity_table(pd.DataFrame(rows))
     assert len(par) == 3 and int(par.compared.sum()) == 1
     assert par.loc[par.compared, "first_diff"].item() == 1
+
+
+def test_gate_fails_when_no_round_measured_the_throughput_ratio():
+    """Arm B (a new build) crashed in every round and left no stats: its throughput is None,
+    so there is no ratio. With lost requests tolerated the gate passed on no data at all."""
+    requests, rounds = _tables()
+    rounds.loc[rounds.arm == "B", "throughput_tok_s"] = None
+    s = summarize(requests, rounds, greedy=True)
+    assert s["ratio_B_over_A"]["throughput_tok_s"]["median"] is None
+    gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=None, max_lost_requests=None,
+                           max_errors=None)
+    assert [str(f) for f in apply_gate(s, gate)] == [
+        "throughput ratio B/A (median) = missing (no data to check against 0.95)"]
+    off = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=None, max_lost_requests=None,
+                          max_errors=None)
+    assert apply_gate(s, off) == []  # a disabled rule stays off
+    one_arm = summarize(requests[requests.arm == "A"], rounds[rounds.arm == "A"], greedy=True)
+    assert apply_gate(one_arm, gate) == []  # no B arm: no ratio to ask for
