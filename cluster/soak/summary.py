@@ -116,7 +116,8 @@ class GateFailure:
 def apply_gate(summary: dict, gate) -> list[GateFailure]:
     """Check a summary against a gate (an object with min_throughput_ratio,
     max_parity_breaks, max_lost_requests, max_errors; None disables a rule). With a B arm,
-    a throughput ratio that no round measured fails its rule: missing data never passes."""
+    a throughput ratio that no round measured, or greedy parity with no prompt-round compared,
+    fails its rule: missing data never passes."""
     fails = []
     ratio = summary.get("ratio_B_over_A", {}).get("throughput_tok_s", {}).get("median")
     if (gate.min_throughput_ratio is not None and "ratio_B_over_A" in summary
@@ -124,8 +125,9 @@ def apply_gate(summary: dict, gate) -> list[GateFailure]:
         fails.append(GateFailure("throughput ratio B/A (median)", ratio, gate.min_throughput_ratio, "<"))
     par = summary.get("parity")
     if (gate.max_parity_breaks is not None and par and par["greedy"]
-            and par["breaks"] > gate.max_parity_breaks):
-        fails.append(GateFailure("greedy parity breaks", par["breaks"], gate.max_parity_breaks, ">"))
+            and (par["compared"] == 0 or par["breaks"] > gate.max_parity_breaks)):
+        fails.append(GateFailure("greedy parity breaks", par["breaks"] if par["compared"] else None,
+                                 gate.max_parity_breaks, ">"))
     lost = summary.get("faults", {}).get("lost_requests", 0)
     if gate.max_lost_requests is not None and lost > gate.max_lost_requests:
         fails.append(GateFailure("lost requests", lost, gate.max_lost_requests, ">"))

@@ -95,3 +95,16 @@ def test_gate_fails_when_no_round_measured_the_throughput_ratio():
     assert apply_gate(s, off) == []  # a disabled rule stays off
     one_arm = summarize(requests[requests.arm == "A"], rounds[rounds.arm == "A"], greedy=True)
     assert apply_gate(one_arm, gate) == []  # no B arm: no ratio to ask for
+
+
+def test_gate_fails_greedy_parity_when_nothing_was_compared():
+    """Every B row an error: no prompt-round compared, 0 breaks; the parity rule passed."""
+    requests, rounds = _tables()
+    requests.loc[requests.arm == "B", "finish_reason"] = "error"
+    s = summarize(requests, rounds, greedy=True)
+    assert s["parity"]["compared"] == 0 and s["parity"]["breaks"] == 0
+    gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=0, max_lost_requests=None,
+                           max_errors=None)
+    assert [str(f) for f in apply_gate(s, gate)] == [
+        "greedy parity breaks = missing (no data to check against 0)"]
+    assert apply_gate(summarize(requests, rounds, greedy=False), gate) == []  # not greedy: no rule
