@@ -114,9 +114,23 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: fl
             "returncode": str(rc), "parquet": out, "stats": stats, "log": logf}
 
 
+def _read_results(path: Path) -> pd.DataFrame:
+    """A round's result rows: its Parquet, or, when the round was killed or crashed before
+    generate merged them, the part files it had flushed (cluster/jobs/results_store.py:
+    OUT.parts/part-NNNNNN.parquet, the newest row per key), so served rows are not lost."""
+    if path.exists():
+        return pq.read_table(path).to_pandas()
+    parts = sorted((path.parent / (path.name + ".parts")).glob("part-*.parquet"))
+    if not parts:
+        return pd.DataFrame()
+    req = pd.concat([pq.read_table(p).to_pandas() for p in parts], ignore_index=True)
+    keys = [result_key(None if pd.isna(i) else str(i), int(n)) for i, n in zip(req.id, req.line)]
+    return req[~pd.Series(keys).duplicated(keep="last").to_numpy()].reset_index(drop=True)
+
+
 def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     """One rounds.parquet row and the round's request rows."""
-    req = pq.read_table(meta["parquet"]).to_pandas() if meta["parquet"].exists() else pd.DataFrame()
+    req = _read_results(meta["parquet"])
     stats = json.loads(meta["stats"].read_text()) if meta["stats"].exists() else {}
     ok = req[req.finish_reason.isin(["stop", "length"])] if len(req) else req
     input_errors = req[(req.finish_reason == "error") & req.error.fillna("").str.startswith("line ")] \

@@ -127,3 +127,22 @@ def test_ratio_gauge_is_set_again_until_stopped(monkeypatch):
     assert n >= 4 and set(sets) == {("throughput_tok_s", 0.97)}  # (a zero A is left out)
     _time.sleep(0.1)
     assert len(sets) == n  # stopped
+
+
+def test_a_killed_round_keeps_the_rows_it_had_flushed(tmp_path):
+    """A round killed at its timeout never merges OUT: its served rows are in OUT.parts/. They
+    counted as lost (every line) and were left out of requests.parquet."""
+    from cluster.jobs.results_store import ResultStore
+    from cluster.requests import Result
+    prompts = _prompts(tmp_path)
+    out = tmp_path / "r000_A.parquet"
+    store = ResultStore(out, flush_every=1)
+    store.add(Result(id="a", line=1, finish_reason="error", error="worker died"))
+    store.add(Result(id="a", line=1, completion_tokens=[1], finish_reason="length", ttft_s=0.1))
+    store.add(Result(id="b", line=4, completion_tokens=[2], finish_reason="stop", ttft_s=0.2))
+    assert not out.exists()  # killed before finalize
+    meta = {"round": 0, "arm": "A", "label": "A", "start_s": 0.0, "end_s": 1.0,
+            "returncode": "timeout", "parquet": out, "stats": tmp_path / "none"}
+    row, req = runner._round_rows(meta, runner._expected_keys(prompts))
+    assert row["lost_requests"] == 2  # lines 2 and 3 were never served
+    assert sorted(req.id) == ["a", "b"] and row["errors"] == 0  # the newest row per key
