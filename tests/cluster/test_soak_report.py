@@ -36,3 +36,23 @@ def test_report_loads_in_chromium_with_its_plots(tmp_path):
     assert loaded and int(loaded.group(1)) == 4 == page.count("<img")
     assert "gate: FAIL: greedy parity breaks" in dom
     assert (tmp_path / "shot.png").stat().st_size > 20_000  # a real rendering, not a blank page
+
+
+def test_report_counts_only_the_compared_prompt_rounds(tmp_path):
+    """A pair with an error row is not compared: the report said 3 compared where the summary
+    (parity.compared) said 1."""
+    rounds = pd.DataFrame({"round": [0, 0], "arm": ["A", "B"], "start_s": [0.0, 2.0],
+                           "end_s": [1.0, 3.0], "throughput_tok_s": [100.0, 90.0],
+                           "ttft_median_s": [0.1, 0.1], "decode_tok_s_median": [10.0, 9.0],
+                           "rss_bytes": [1e9, 1e9], "kv_bytes": [1e6, 1e6], "errors": [0, 2],
+                           "kills": 0, "recoveries": 0, "lost_requests": [0, 2]})
+    requests = pd.DataFrame([{"round": 0, "arm": a, "id": f"p{i}", "line": i + 1,
+                              "completion_tokens": [1, 2],
+                              "finish_reason": "error" if (a == "B" and i) else "length",
+                              "ttft_s": 0.1, "decode_tokens_per_s": 10.0}
+                             for a in "AB" for i in range(3)])
+    s = summarize(requests, rounds, greedy=True)
+    out = tmp_path / "report.html"
+    write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
+    assert s["parity"]["compared"] == 1
+    assert "<p>1 prompt-rounds compared, 0 differ;" in out.read_text()
