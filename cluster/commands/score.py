@@ -64,6 +64,8 @@ def run(args) -> int:
     from workers.safetensors_io import WeightsError
     if not args.model.is_dir():
         raise UsageError(f"--model {args.model}: no such directory")
+    if args.out.is_dir():
+        raise UsageError(f"--out {args.out}: is a directory; give the .npy file to write")
     try:
         model = Model.load(args.model)
     except (ConfigError, WeightsError) as e:
@@ -71,6 +73,7 @@ def run(args) -> int:
     ids = read_ids(args.tokens, model.config.vocab_size)
     logits = score(model, ids, args.kv, args.mode)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(args.out, logits)
+    with open(args.out, "wb") as f:  # a path would get ".npy" appended when it lacks one
+        np.save(f, logits)
     print(f"wrote {args.out}: logits {list(logits.shape)} float32 ({args.mode}, kv {args.kv})")
     return 0

@@ -57,6 +57,20 @@ def test_score_command_prefill_and_decode(tiny, tmp_path, capsys):
     assert np.abs(p - q).max() < 1e-5 * np.abs(p).max()
 
 
+def test_score_command_writes_the_out_path_it_names(tiny, tmp_path, capsys):
+    """--out without a .npy suffix: np.save(path) wrote logits.npy and the command said
+    'wrote .../logits'."""
+    (tmp_path / "ids.json").write_text(json.dumps([3, 200, 45]))
+    out = tmp_path / "logits"
+    assert cli_main(["score", "--model", str(tiny()), "--tokens", str(tmp_path / "ids.json"),
+                     "--out", str(out)]) == 0
+    assert f"wrote {out}:" in capsys.readouterr().out
+    assert np.load(out).shape == (3, 512) and not (tmp_path / "logits.npy").exists()
+    rc = cli_main(["score", "--model", str(tiny()), "--tokens", str(tmp_path / "ids.json"),
+                   "--out", str(tmp_path)])  # a directory: a usage error, no tmp_path.npy beside it
+    assert rc == 2 and "is a directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content,match", [
     ("[1, 2", "not valid JSON"), ('{"a": 1}', "non-empty JSON list"), ("[1, 512]", r"ids \[512\] are outside"),
 ])
