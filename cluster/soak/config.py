@@ -62,6 +62,8 @@ def load_arm(path: str | Path, key: str = "A") -> SoakArm:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
         raise UsageError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         raise UsageError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -146,3 +146,11 @@ def test_a_killed_round_keeps_the_rows_it_had_flushed(tmp_path):
     row, req = runner._round_rows(meta, runner._expected_keys(prompts))
     assert row["lost_requests"] == 2  # lines 2 and 3 were never served
     assert sorted(req.id) == ["a", "b"] and row["errors"] == 0  # the newest row per key
+
+
+def test_arm_file_that_is_not_utf8_is_a_usage_error(tmp_path):
+    """A UTF-16 arm file (an editor's choice) raised UnicodeDecodeError: a traceback, exit 1."""
+    cfg = tmp_path / "A.yaml"
+    cfg.write_bytes("kv: kv8\n".encode("utf-16"))
+    with pytest.raises(UsageError, match=r"A\.yaml: not UTF-8 text \(byte 0\)"):
+        load_arm(cfg)
