@@ -74,7 +74,10 @@ JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 def _expected_keys(prompts: Path) -> set[str]:
     """The result key (cluster/requests.py) of every input line, as generate reads them."""
-    return {result_key(item.id, item.line) for item in read_requests(prompts)}
+    try:
+        return {result_key(item.id, item.line) for item in read_requests(prompts)}
+    except OSError as e:  # a directory, an unreadable file
+        raise UsageError(f"--prompts {prompts}: {e.strerror}") from None
 
 
 def _served_keys(req: pd.DataFrame) -> set[str]:
@@ -211,8 +214,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
         raise UsageError(f"--out {plan.out}: not a new or empty directory (an earlier soak's "
                          "rounds there would be resumed, not rerun); give another one")
-    (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
     expected = _expected_keys(plan.prompts)
+    (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
     ignored = sorted(JOB_ENV & set(os.environ))
     if ignored:
         log.warning("soak: %s set in the environment, not passed to the rounds (each arm runs "

@@ -154,3 +154,14 @@ def test_arm_file_that_is_not_utf8_is_a_usage_error(tmp_path):
     cfg.write_bytes("kv: kv8\n".encode("utf-16"))
     with pytest.raises(UsageError, match=r"A\.yaml: not UTF-8 text \(byte 0\)"):
         load_arm(cfg)
+
+
+def test_prompts_that_cannot_be_read_are_a_usage_error(tmp_path):
+    """--prompts DIR passed the command's exists() check and ended in IsADirectoryError (a
+    traceback) after --out was created."""
+    (tmp_path / "prompts").mkdir()
+    out = tmp_path / "soak"
+    plan = runner.SoakPlan(arms=[_arm(tmp_path)], prompts=tmp_path / "prompts", out=out, rounds=1)
+    with pytest.raises(UsageError, match=r"--prompts .*prompts: Is a directory"):
+        runner.run_soak(plan)
+    assert not out.exists()
