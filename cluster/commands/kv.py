@@ -136,6 +136,8 @@ def convert_cmd(args) -> int:
     if fmt is None:
         raise UsageError(f"{args.output}: cannot tell the output format from its suffix; "
                          f"pass --format arrow|coli")
+    if os.path.isdir(args.output):
+        raise UsageError(f"{args.output}: is a directory; give the output file; nothing written")
     dst_tier = get_tier(args.to)
     lock = _lock_output(args.output)  # also the input's lock when it is the same file
     try:

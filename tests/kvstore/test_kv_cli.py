@@ -138,6 +138,9 @@ def test_convert_errors(tmp_path, capsys):
     rc, _, err = run(capsys, "kv", "convert", tmp_path / "junk", tmp_path / "o.arrow", "--to", "kv8")
     assert rc == 2 and "junk" in err
     assert not (tmp_path / "o.arrow").exists()
+    (tmp_path / "d.arrow").mkdir()  # an output that is a directory: was an IsADirectoryError
+    rc, _, err = run(capsys, "kv", "convert", p, tmp_path / "d.arrow", "--to", "kv8")
+    assert rc == 2 and f"{tmp_path / 'd.arrow'}: is a directory" in err
     # hostile f32 rows (NaN/Inf/huge/subnormal) convert without error and stay finite in kv8
     rc, _, _ = run(capsys, "kv", "convert", p, tmp_path / "k.coli_kv", "--to", "kv8")
     got = ColiKVFile(tmp_path / "k.coli_kv", FP, "kv8").load()
