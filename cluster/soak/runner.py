@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -188,10 +189,17 @@ class RatioGauge:
         self._thread.start()
 
     def publish(self, a: dict, b: dict) -> None:
+        """This round's ratios. A ratio this round cannot make (a value missing, A's 0, or
+        not finite) is left out, or set to NaN where an earlier round had set it: the gauge
+        then shows a gap, not the earlier round's ratio as the last one."""
         with self._lock:
             for m in self.METRICS:
-                if a.get(m) and b.get(m) is not None:
-                    self.last[m] = b[m] / a[m]
+                av, bv = a.get(m), b.get(m)
+                if (av is not None and bv is not None and av != 0
+                        and math.isfinite(av) and math.isfinite(bv)):
+                    self.last[m] = bv / av
+                elif m in self.last:
+                    self.last[m] = math.nan
             self._set()
 
     def _set(self) -> None:

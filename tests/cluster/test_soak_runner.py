@@ -1,6 +1,7 @@
 """The soak runner's bookkeeping without Ray or a model: which rows count as served, what a
 round's environment holds, a cut round, and a used output directory."""
 import json
+import math
 import subprocess
 
 import pandas as pd
@@ -127,6 +128,13 @@ def test_ratio_gauge_is_set_again_until_stopped(monkeypatch):
     assert n >= 4 and set(sets) == {("throughput_tok_s", 0.97)}  # (a zero A is left out)
     _time.sleep(0.1)
     assert len(sets) == n  # stopped
+    # a later round without a usable A value: NaN (a gap), never the earlier round's ratio
+    for a in ({}, {"throughput_tok_s": 0.0}, {"throughput_tok_s": float("nan")}):
+        sets.clear()
+        g.publish(a, {"throughput_tok_s": 90.0})
+        assert len(sets) == 1 and sets[0][0] == "throughput_tok_s" and math.isnan(sets[0][1])
+    g.publish({"throughput_tok_s": 100.0}, {"throughput_tok_s": 90.0})
+    assert sets[-1] == ("throughput_tok_s", 0.9)
 
 
 def test_a_killed_round_keeps_the_rows_it_had_flushed(tmp_path):
