@@ -52,9 +52,10 @@ def _cuda_free(index: int) -> int:
 def smi_id(index: int, env: dict[str, str] | None = None) -> str:
     """nvidia-smi's --id for CUDA device `index` as CuPy numbers it: nvidia-smi ignores
     CUDA_VISIBLE_DEVICES, so a logical index goes through that list (entries are physical
-    indices or GPU UUIDs; nvidia-smi takes either)."""
+    indices or GPU UUIDs; nvidia-smi takes either). Set but empty, it shows no device, as
+    CUDA reads it."""
     visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
-    if visible is None or not visible.strip():
+    if visible is None:
         return str(index)
     ids = [v.strip() for v in visible.split(",") if v.strip()]
     if not 0 <= index < len(ids):

@@ -191,3 +191,6 @@ def test_nvidia_smi_id_follows_cuda_visible_devices():
     assert memory_probe.smi_id(1, {"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}) == "GPU-bb"
     with pytest.raises(memory_probe.ProbeError, match="CUDA_VISIBLE_DEVICES='3' shows 1 device"):
         memory_probe.smi_id(1, {"CUDA_VISIBLE_DEVICES": "3"})
+    # set but empty: CUDA sees no device (nvidia-smi read physical GPU 0 for it)
+    with pytest.raises(memory_probe.ProbeError, match="CUDA_VISIBLE_DEVICES='' shows 0 device"):
+        memory_probe.smi_id(0, {"CUDA_VISIBLE_DEVICES": ""})
