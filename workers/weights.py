@@ -120,8 +120,14 @@ def open_checkpoint(model_dir: str | Path) -> dict[str, TensorRef]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise WeightsError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: weight_map must be an object {{tensor name: shard file}}, "
+                               f"got {type(weight_map).__name__}")
+        for name, fname in weight_map.items():
+            if not isinstance(fname, str):
+                raise WeightsError(f"{index}: maps {name!r} to {fname!r}, which is not a shard file name")
         files = sorted(set(weight_map.values()))
     elif (d / SINGLE_FILE).exists():
         weight_map, files = None, [SINGLE_FILE]

@@ -155,6 +155,27 @@ def test_missing_shard_and_missing_weights(tiny, tmp_path):
         Model.load(d)
 
 
+@pytest.mark.parametrize("weight_map,match", [
+    (["model-00001-of-00002.safetensors"], r"weight_map must be an object \{tensor name: shard file\}, got list"),
+    ("model-00001-of-00002.safetensors", r"weight_map must be an object .*, got str"),
+    ({"model.norm.weight": None}, r"maps 'model\.norm\.weight' to None, which is not a shard file name"),
+    ({"model.norm.weight": 3}, r"maps 'model\.norm\.weight' to 3, which is not a shard file name"),
+    (None, r"not a safetensors index with a weight_map \(UnicodeDecodeError"),  # bytes that are not UTF-8
+])
+def test_malformed_index_is_a_weights_error(tiny, tmp_path, weight_map, match):
+    """A weight_map that is not {name: file} was an AttributeError / TypeError naming no file."""
+    d = tmp_path / "s"
+    shutil.copytree(tiny("sharded"), d)
+    index = d / "model.safetensors.index.json"
+    if weight_map is None:
+        index.write_bytes(b'{"weight_map": {"model.norm.weight": "\xff\xfe"}}')
+    else:
+        index.write_text(json.dumps({**json.loads(index.read_text()), "weight_map": weight_map}))
+    with pytest.raises(WeightsError, match=match) as e:
+        Model.load(d)
+    assert str(e.value).startswith(f"{index}: ")
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("num_attention_heads", 0, "num_attention_heads=0 must be >= 1"),
     ("num_experts_per_tok", 9, "num_experts_per_tok=9 exceeds n_routed_experts=8"),
