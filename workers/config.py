@@ -118,7 +118,7 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")

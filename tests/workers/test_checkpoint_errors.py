@@ -204,6 +204,13 @@ def test_missing_required_config_field(tiny, tmp_path):
         ModelConfig.from_dict(raw, source="x.json")
 
 
+def test_config_that_is_not_utf8_names_the_file(tmp_path):
+    """Bytes that are not UTF-8 were a bare UnicodeDecodeError naming no file."""
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff\xfe"}')
+    with pytest.raises(ConfigError, match=r"config\.json: not valid JSON \(.*can't decode byte 0xff"):
+        ModelConfig.from_file(tmp_path)
+
+
 def test_rope_parameters_form_equals_hub_form(tiny):
     raw = json.loads((tiny("yarn") / "config.json").read_text())
     hub = ModelConfig.from_dict(raw)
