@@ -24,7 +24,7 @@ def _ids(path: Path, key: str) -> list[int]:
         return []
     try:
         v = json.loads(path.read_text()).get(key)
-    except (json.JSONDecodeError, AttributeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise TokenizerError(f"{path}: not a JSON object ({e})") from None
     if v is None:
         return []

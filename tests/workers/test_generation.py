@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from cluster.cli import main as cli_main
-from workers.tokenizer import Tokenizer
+from workers.tokenizer import Tokenizer, TokenizerError
 
 
 def test_tokenizer_roundtrip_and_eos(tiny):
@@ -18,6 +19,15 @@ def test_tokenizer_roundtrip_and_eos(tiny):
     assert tok.eos_ids == (1,) and tok.bos_id == 0
     assert tok.encode(text, add_bos=True)[0] == 0
     assert Tokenizer.from_dir(tiny("multi_eos")).eos_ids == (1, 2)
+
+
+def test_generation_config_that_is_not_utf8_names_the_file(tiny, tmp_path):
+    """Bytes that are not UTF-8 were a bare UnicodeDecodeError naming no file."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny(), d)
+    (d / "generation_config.json").write_bytes(b'{"eos_token_id": "\xff\xfe"}')
+    with pytest.raises(TokenizerError, match=r"generation_config\.json: not a JSON object"):
+        Tokenizer.from_dir(d)
 
 
 def test_text_prompts_get_the_post_processors_special_tokens(tiny, tmp_path):
