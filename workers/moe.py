@@ -25,8 +25,10 @@ def gated_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray)
 
 
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices [N, k] of the k largest per row (ties: lower index first)."""
-    return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+    """Indices [N, k] of the k largest per row (ties: lower index first). NaN ranks above
+    every number, as in torch.topk (transformers' routers): a NaN score is picked and its NaN
+    reaches the output, where sorting it last would drop that expert or group unseen."""
+    return np.lexsort((-scores, ~np.isnan(scores)), axis=-1)[:, :k]
 
 
 def _keep_groups(choice: np.ndarray, group_score: np.ndarray, keep: int, fill: float) -> np.ndarray:

@@ -111,3 +111,28 @@ def test_noaux_tc_group_mask_is_transformers_zero_fill(tiny):
     assert np.array_equal(np.sort(idx, -1), want)
     dropped = ~np.take_along_axis(np.repeat(mask, E // G, axis=1), idx, -1)
     assert dropped.any()  # the case the fill value decides
+
+
+@pytest.mark.parametrize("method", [dict(topk_method="noaux_tc", scoring_func="sigmoid", n_group=2, topk_group=1),
+                                    dict(topk_method="noaux_tc", scoring_func="sigmoid", n_group=1, topk_group=1),
+                                    dict(topk_method="group_limited_greedy", scoring_func="softmax", n_group=2,
+                                         topk_group=1),
+                                    dict(topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1)],
+                         ids=lambda m: f"{m['topk_method']}-G{m['n_group']}")
+def test_router_nan_logit_is_picked_as_torch_topk_picks_it(tiny, method):
+    """torch.topk ranks NaN above every number, so transformers' sigmoid router picks an expert
+    whose logit is NaN and the token's weights are NaN; route() sorted NaN last and silently
+    routed the token elsewhere with finite weights (its group dropped too under n_group > 1)."""
+    raw = json.loads((tiny() / "config.json").read_text())
+    cfg = ModelConfig.from_dict({**raw, **method})
+    E = cfg.n_routed_experts
+    logits = np.tile(np.linspace(-1, 1, E, dtype=np.float32), (3, 1))
+    logits[1] = logits[1, ::-1]
+    logits[0, 5] = np.nan
+    idx, w = route(cfg, logits, np.zeros(E, np.float32))
+    assert np.isnan(w[0]).all()
+    if cfg.scoring_func == "sigmoid":  # softmax makes the whole row NaN: any pick is right
+        assert idx[0, 0] == 5
+    clean_idx, clean_w = route(cfg, logits[1:], np.zeros(E, np.float32))  # other tokens unchanged
+    assert np.array_equal(idx[1:], clean_idx) and np.array_equal(w[1:], clean_w)
+    assert np.isfinite(w[1:]).all()
