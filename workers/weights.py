@@ -144,7 +144,7 @@ def open_checkpoint(model_dir: str | Path) -> dict[str, TensorRef]:
             refs[name] = ref
     if weight_map is not None:
         for name, fname in weight_map.items():
-            if name not in refs or refs[name].file.name != fname:
+            if name not in refs or refs[name].file != d / fname:
                 raise WeightsError(f"{index}: maps {name!r} to {fname!r}, which does not hold it")
     return refs
 

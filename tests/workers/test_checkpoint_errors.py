@@ -155,6 +155,24 @@ def test_missing_shard_and_missing_weights(tiny, tmp_path):
         Model.load(d)
 
 
+@pytest.mark.parametrize("prefix", ["w/", "./"])
+def test_index_shard_paths_relative_to_the_dir_load(tiny, tmp_path, prefix):
+    """weight_map values are paths relative to the dir (transformers joins them to it); a shard
+    in a subfolder or spelled './x' was refused: 'maps ... to 'w/x', which does not hold it'."""
+    d = tmp_path / "s"
+    shutil.copytree(tiny("sharded"), d)
+    index = d / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    (d / "w").mkdir()
+    for f in set(raw["weight_map"].values()):
+        (d / f).rename(d / prefix / f)
+    index.write_text(json.dumps({**raw, "weight_map": {n: prefix + f for n, f in raw["weight_map"].items()}}))
+    refs = open_checkpoint(d)
+    want = open_checkpoint(tiny("sharded"))
+    assert set(refs) == set(want)
+    np.testing.assert_array_equal(refs["model.norm.weight"].read(), want["model.norm.weight"].read())
+
+
 @pytest.mark.parametrize("weight_map,match", [
     (["model-00001-of-00002.safetensors"], r"weight_map must be an object \{tensor name: shard file\}, got list"),
     ("model-00001-of-00002.safetensors", r"weight_map must be an object .*, got str"),
