@@ -183,13 +183,16 @@ def _rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
     if kind != "yarn":
         raise _err(source, f"{where}.rope_type", kind, "is not supported (only 'yarn' or 'default')")
     s = {k: v for k, v in scaling.items() if v is not None}
-    orig = s.get("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
-    if "factor" not in s and isinstance(orig, (int, float)) and orig > 0:
-        s["factor"] = d.get("max_position_embeddings", 4096) / orig  # as transformers does
+    if "original_max_position_embeddings" in s:
+        orig = _int(s, "original_max_position_embeddings", f"{source} {where}")
+    else:
+        orig = _int(d, "max_position_embeddings", source)
+    if "factor" not in s:
+        s["factor"] = _int(d, "max_position_embeddings", source) / orig  # as transformers does
     af = s.get("attention_factor")
     ys = RopeScaling(
         factor=_float(s, "factor", f"{source} {where}"),
-        original_max_position_embeddings=_int({"o": orig}, "o", f"{source} {where}.original_max_position_embeddings"),
+        original_max_position_embeddings=orig,
         beta_fast=_float({"beta_fast": s.get("beta_fast", 32.0)}, "beta_fast", f"{source} {where}"),
         beta_slow=_float({"beta_slow": s.get("beta_slow", 1.0)}, "beta_slow", f"{source} {where}"),
         mscale=None if "mscale" not in s else _float(s, "mscale", f"{source} {where}", positive=False),

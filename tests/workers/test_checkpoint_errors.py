@@ -229,6 +229,21 @@ def test_config_that_is_not_utf8_names_the_file(tmp_path):
         ModelConfig.from_file(tmp_path)
 
 
+@pytest.mark.parametrize("fields,match", [
+    ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": "4096"}},
+     r"x\.json rope_scaling: original_max_position_embeddings='4096' must be an integer"),
+    ({"max_position_embeddings": "163840", "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}},
+     r"x\.json: max_position_embeddings='163840' must be an integer"),
+])
+def test_yarn_factor_derived_from_bad_fields_names_them(tiny, fields, match):
+    """A yarn block without factor derives it from max_position_embeddings / original_...: a bad
+    original_... was reported as 'factor=None must be a finite number', a bad
+    max_position_embeddings was a TypeError."""
+    raw = json.loads((tiny() / "config.json").read_text())
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict({**raw, **fields}, source="x.json")
+
+
 def test_rope_parameters_form_equals_hub_form(tiny):
     raw = json.loads((tiny("yarn") / "config.json").read_text())
     hub = ModelConfig.from_dict(raw)
