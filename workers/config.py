@@ -166,6 +166,8 @@ def _choice(d: dict, name: str, source: str, allowed: tuple[str, ...]) -> str:
 def _rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
     """(rope_theta, yarn scaling) from `rope_parameters` (transformers 5) or the hub keys."""
     params = d.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise _err(source, "rope_parameters", params, "must be an object or null")
     if isinstance(params, dict):
         theta_src = params if "rope_theta" in params else d
         scaling = params

@@ -202,6 +202,8 @@ def test_malformed_index_is_a_weights_error(tiny, tmp_path, weight_map, match):
     ("scoring_func", "relu", "scoring_func='relu' must be one of"),
     ("kv_lora_rank", "512", "kv_lora_rank='512' must be an integer"),
     ("rope_scaling", {"type": "dynamic", "factor": 2}, "rope_type='dynamic' is not supported"),
+    ("rope_parameters", "yarn", "rope_parameters='yarn' must be an object or null"),  # was ignored
+    ("rope_parameters", [{"rope_type": "yarn", "factor": 40}], "rope_parameters=.* must be an object or null"),
     ("mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types=.* must list 'dense' or 'sparse'"),
 ])
 def test_bad_config_value_names_field_and_file(tiny, tmp_path, field, value, match):
