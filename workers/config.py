@@ -226,6 +226,8 @@ def _layer_types(v: Any, n_layers: Any, source: str) -> tuple[str, ...] | None:
 
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     model_type = raw.get("model_type", "deepseek_v3")
+    if not isinstance(model_type, str):
+        raise _err(source, "model_type", model_type, "must be a string")
     for name in REQUIRED:
         if raw.get(name) is None:
             raise ConfigError(f"{source}: missing required field {name!r} (model_type {model_type!r})")
