@@ -156,6 +156,13 @@ def _float(d: dict, name: str, source: str, positive: bool = True) -> float:
     return float(v)
 
 
+def _bool(d: dict, name: str, source: str) -> bool:
+    v = d.get(name)
+    if not isinstance(v, bool):  # bool("false") is True
+        raise _err(source, name, v, "must be true or false")
+    return v
+
+
 def _choice(d: dict, name: str, source: str, allowed: tuple[str, ...]) -> str:
     v = d.get(name)
     if v not in allowed:
@@ -201,7 +208,7 @@ def _rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
         mscale_all_dim=_float({"mscale_all_dim": s.get("mscale_all_dim", 0.0)}, "mscale_all_dim",
                               f"{source} {where}", positive=False),
         attention_factor=None if af is None else _float(s, "attention_factor", f"{source} {where}"),
-        truncate=bool(s.get("truncate", True)),
+        truncate=_bool({"truncate": s.get("truncate", True)}, "truncate", f"{source} {where}"),
     )
     return theta, ys
 
@@ -257,18 +264,18 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         topk_method=_choice(d, "topk_method", source, TOPK_METHODS),
         n_group=_int(d, "n_group", source),
         topk_group=_int(d, "topk_group", source),
-        norm_topk_prob=bool(d["norm_topk_prob"]),
+        norm_topk_prob=_bool(d, "norm_topk_prob", source),
         rms_norm_eps=_float(d, "rms_norm_eps", source),
         rope_theta=theta,
         rope_scaling=scaling,
-        rope_interleave=bool(d["rope_interleave"]),
+        rope_interleave=_bool(d, "rope_interleave", source),
         max_position_embeddings=_int(d, "max_position_embeddings", source),
         num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", source, lo=0),
         index_n_heads=_int(d, "index_n_heads", source, lo=0),
         index_head_dim=_int(d, "index_head_dim", source, lo=0),
         index_topk=_int(d, "index_topk", source, lo=0),
-        tie_word_embeddings=bool(d["tie_word_embeddings"]),
-        attention_bias=bool(d["attention_bias"]),
+        tie_word_embeddings=_bool(d, "tie_word_embeddings", source),
+        attention_bias=_bool(d, "attention_bias", source),
         bos_token_id=_int(d, "bos_token_id", source, lo=0, optional=True),
         eos_token_ids=_eos(d.get("eos_token_id"), source),
         mlp_layer_types=_layer_types(d.get("mlp_layer_types"), d.get("num_hidden_layers"), source),

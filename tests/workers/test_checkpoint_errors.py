@@ -204,6 +204,10 @@ def test_malformed_index_is_a_weights_error(tiny, tmp_path, weight_map, match):
     ("rope_scaling", {"type": "dynamic", "factor": 2}, "rope_type='dynamic' is not supported"),
     ("rope_parameters", "yarn", "rope_parameters='yarn' must be an object or null"),  # was ignored
     ("model_type", ["deepseek_v3"], r"model_type=\['deepseek_v3'\] must be a string"),  # was a TypeError
+    ("rope_interleave", "false", "rope_interleave='false' must be true or false"),  # bool('false') was True
+    ("norm_topk_prob", "false", "norm_topk_prob='false' must be true or false"),
+    ("rope_scaling", {"type": "yarn", "factor": 4, "original_max_position_embeddings": 128, "truncate": "false"},
+     "rope_scaling: truncate='false' must be true or false"),
     ("rope_parameters", [{"rope_type": "yarn", "factor": 40}], "rope_parameters=.* must be an object or null"),
     ("mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types=.* must list 'dense' or 'sparse'"),
 ])
