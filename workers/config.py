@@ -26,6 +26,8 @@ REQUIRED = (
 
 # Per-family defaults for optional keys the hub configs sometimes leave out (the
 # transformers config classes' defaults). Anything not listed falls back to COMMON.
+# (deepseek_v3: DeepseekV3Config's; its num_nextn_predict_layers=1 is not taken, as
+# transformers never runs those layers, and a checkpoint without the key has no MTP weights.)
 COMMON: dict[str, Any] = {
     "q_lora_rank": None, "n_shared_experts": 1, "first_k_dense_replace": 0,
     "moe_layer_freq": 1, "routed_scaling_factor": 1.0, "scoring_func": "sigmoid",
@@ -36,7 +38,8 @@ COMMON: dict[str, Any] = {
     "rope_theta": 10000.0, "attention_bias": False,
 }
 FAMILY: dict[str, dict[str, Any]] = {
-    "deepseek_v3": {"routed_scaling_factor": 2.5},
+    "deepseek_v3": {"routed_scaling_factor": 2.5, "q_lora_rank": 1536, "n_group": 8,
+                    "topk_group": 4, "first_k_dense_replace": 3},
     "kimi_k2": {"routed_scaling_factor": 2.5},
     "glm_moe_dsa": {"routed_scaling_factor": 2.5},
     "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "n_shared_experts": 2,
@@ -238,8 +241,12 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     for name in REQUIRED:
         if raw.get(name) is None:
             raise ConfigError(f"{source}: missing required field {name!r} (model_type {model_type!r})")
+    # (null is "absent" except where transformers gives it a meaning: q_lora_rank null = no
+    # query LoRA, n_shared_experts null = no shared experts, as DeepseekV2 reads it)
     d = {**COMMON, **FAMILY.get(model_type, {}),
          **{k: v for k, v in raw.items() if v is not None or k == "q_lora_rank"}}
+    if "n_shared_experts" in raw and raw["n_shared_experts"] is None:
+        d["n_shared_experts"] = 0
     theta, scaling = _rope(d, source)
     cfg = ModelConfig(
         model_type=str(model_type),

@@ -190,7 +190,7 @@ def random_model(rng: np.random.Generator) -> Footprint:
         "qk_nope_head_dim": 16, "qk_rope_head_dim": int(rng.choice([8, 16])), "v_head_dim": 16,
         "intermediate_size": 96, "n_routed_experts": int(rng.integers(2, 17)), "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "first_k_dense_replace": int(rng.integers(0, layers + 1)),
-        "num_nextn_predict_layers": nextn,
+        "num_nextn_predict_layers": nextn, "n_group": 1, "topk_group": 1,  # (DeepseekV3's 8 / 4 need experts in 8 groups)
         **({"index_n_heads": 2, "index_head_dim": 16, "index_topk": 8} if dsa else {}),
     }
     return Footprint.from_dict(raw, source="random")

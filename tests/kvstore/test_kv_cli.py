@@ -69,7 +69,7 @@ def test_inspect_reports_torn_tail_and_model_check(tmp_path, capsys):
     cfg = {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
            "kv_lora_rank": 512, "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16,
            "intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 32, "model_type": "deepseek_v3"}
+           "moe_intermediate_size": 32, "model_type": "deepseek_v3", "n_group": 1, "topk_group": 1}
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     rc, out, _ = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m")
@@ -255,7 +255,7 @@ def test_inspect_model_check_says_dsa_is_not_resumable(tmp_path, capsys):
     cfg = {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
            "kv_lora_rank": 512, "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16,
            "intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 32, "model_type": "deepseek_v3",
+           "moe_intermediate_size": 32, "model_type": "deepseek_v3", "n_group": 1, "topk_group": 1,
            "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4}
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))

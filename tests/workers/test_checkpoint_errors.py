@@ -271,6 +271,14 @@ def test_family_defaults_and_unknown_keys(tiny):
     v2 = ModelConfig.from_dict({**raw, "model_type": "deepseek_v2", "n_group": 1, "topk_group": 1})
     assert (v2.scoring_func, v2.topk_method, v2.norm_topk_prob) == ("softmax", "greedy", False)
     assert ModelConfig.from_dict({**raw, "eos_token_id": [1, 2]}).eos_token_ids == (1, 2)
+    # keys left out read as transformers' DeepseekV3Config has them (were 1 / 1 / 0 / None,
+    # another model than transformers builds); null shared experts are none (DeepseekV2)
+    bare = {k: v for k, v in raw.items()
+            if k not in ("q_lora_rank", "n_group", "topk_group", "first_k_dense_replace")}
+    v3 = ModelConfig.from_dict({**bare, "model_type": "deepseek_v3", "n_routed_experts": 64})
+    assert (v3.q_lora_rank, v3.n_group, v3.topk_group, v3.first_k_dense_replace) == (1536, 8, 4, 3)
+    assert ModelConfig.from_dict({**raw, "q_lora_rank": None}).q_lora_rank is None
+    assert ModelConfig.from_dict({**raw, "n_shared_experts": None}).n_shared_experts == 0
 
 
 def test_glm_layer_schedule_and_indexer_keys(tiny):
