@@ -143,12 +143,13 @@ class Scheduler:
         their prompts elsewhere (sampling is stateless per (seed, token index), so the
         re-run gives the same tokens). A live worker whose step raised fails only the
         sequences of that step, and their slots are released."""
+        dead = {w for w, exc in failed.items() if self.group.is_dead(w, exc)}
+        self._dead |= dead  # all of this step's deaths before any counts as recovered
         for w, exc in failed.items():
             mine = [s for s in active if s.worker == w]
             for s in mine:
                 active.remove(s)
-            if self.group.is_dead(w, exc):
-                self._dead.add(w)
+            if w in dead:
                 self._release[w], self._discard[w] = [], []
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])

@@ -333,6 +333,28 @@ def test_no_live_slot_left_fails_the_waiting_requests():
     assert stats.worker_deaths == 1 and stats.recoveries == 0
 
 
+def test_workers_dying_in_one_step_count_no_recovery_when_none_is_left():
+    """Both workers die in the same step (RayGroup keeps their capacities): the first death
+    counted as recovered because the second was not yet marked dead."""
+    class AllDie(LocalGroup):
+        steps = 0
+
+        def step_all(self, batches):
+            self.steps += 1
+            out = super().step_all(batches)
+            return {w: RuntimeError("actor died") for w in out} if self.steps == 3 else out
+
+        def is_dead(self, worker, exc):
+            return True
+
+    items = [prep(i, p, seed=i) for i, p in enumerate(prompts(6))]
+    results = []
+    stats = Scheduler(AllDie(make_group([3, 3]).workers), max_context=MAX_CTX, prefill_chunk=7,
+                      eos_ids=[EOS], decode=decode, tier="f32").run(items, results.append)
+    assert sorted(r.id for r in results) == sorted(it.req.id for it in items)
+    assert all(r.error == "no live worker left" for r in results)
+    assert stats.worker_deaths == 2 and stats.recoveries == 0
+
 def test_decode_rate_gauge_follows_decode_only_steps():
     m = JobMetrics(use_ray=False)
     m.step(40, 1.0)
