@@ -124,7 +124,7 @@ class Scheduler:
             outs = self.group.step_all(batches)
             failed = {w: e for w, e in outs.items() if isinstance(e, BaseException)}
             if failed:
-                self._recover(failed, waiting, active, on_result)
+                self._recover(failed, batches, waiting, active, on_result)
                 outs = {w: o for w, o in outs.items() if w not in failed}
             t1 = self.clock()
             n_tok = self._apply(outs, sampled, active, on_result)
@@ -137,8 +137,8 @@ class Scheduler:
         return self.stats
 
     # -- failures -----------------------------------------------------------------------
-    def _recover(self, failed: dict[int, BaseException], waiting: deque, active: list[_Seq],
-                 on_result) -> None:
+    def _recover(self, failed: dict[int, BaseException], batches: dict[int, StepBatch],
+                 waiting: deque, active: list[_Seq], on_result) -> None:
         """A dead worker's sequences go back to the front of the queue and are re-run from
         their prompts elsewhere (sampling is stateless per (seed, token index), so the
         re-run gives the same tokens). A live worker whose step raised fails only the
@@ -146,7 +146,8 @@ class Scheduler:
         dead = {w for w, exc in failed.items() if self.group.is_dead(w, exc)}
         self._dead |= dead  # all of this step's deaths before any counts as recovered
         for w, exc in failed.items():
-            mine = [s for s in active if s.worker == w]
+            stepped = set(batches[w].keys.tolist()) if w in batches else set()
+            mine = [s for s in active if s.worker == w and (w in dead or s.key in stepped)]
             for s in mine:
                 active.remove(s)
             if w in dead:

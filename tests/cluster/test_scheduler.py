@@ -282,6 +282,22 @@ def test_failed_step_fails_only_that_workers_sequences():
     assert group.steps > 4
 
 
+def test_failed_step_spares_the_workers_sequences_not_in_it():
+    """Four sequences on the worker, but the prefill budget puts only r0's first chunk in
+    step 1, which raises: r0 fails, the three waiting their turn run on (all four failed)."""
+    rng = np.random.default_rng(2)
+    items = [prep(i, rng.integers(1, 40, size=10)) for i in range(4)]
+    ref, _ = run(make_group([4]), items, prefill_chunk=3)
+    base = make_group([4])
+    results = []
+    Scheduler(FailingGroup(base.workers, victim=0, at=1, dies=False), max_context=MAX_CTX,
+              prefill_chunk=3, eos_ids=[EOS], decode=decode, tier="f32").run(items, results.append)
+    got = {r.id: r for r in results}
+    assert len(results) == 4 and got["r0"].finish_reason == "error"
+    for k in ("r1", "r2", "r3"):
+        assert got[k].finish_reason != "error" and got[k].completion_tokens == ref[k].completion_tokens
+    assert not base.workers[0].pool.used.any()
+
 def test_row_decode_rate_ignores_the_eos_token():
     """One token per (virtual) second, then EOS: the row's rate is 1 token/s, as the job's;
     EOS is not in the completion, so its sampling time is not the last token's."""
