@@ -102,12 +102,18 @@ class Worker:
 
     def step(self, batch: StepBatch) -> StepOutput:
         t0 = time.perf_counter()
+        failed = None
         for key in batch.release:  # a key whose first step failed before it got a slot
             slot = self._slot.pop(int(key), None)  # has nothing to free
             if slot is not None:
-                self.persist.release(int(key), self.pool, slot,  # saves its KV first
-                                     save=key not in batch.discard)
+                try:
+                    self.persist.release(int(key), self.pool, slot,  # saves its KV first
+                                         save=key not in batch.discard)
+                except Exception as e:  # the slot is freed all the same (and the rest
+                    failed = failed or e  # released), then the step fails
                 self.pool.free_slot(slot)
+        if failed is not None:
+            raise failed
         for key in np.unique(batch.keys).tolist():
             if key not in self._slot:
                 self._slot[key] = self.pool.alloc_slot()

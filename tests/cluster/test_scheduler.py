@@ -298,6 +298,28 @@ def test_failed_step_spares_the_workers_sequences_not_in_it():
         assert got[k].finish_reason != "error" and got[k].completion_tokens == ref[k].completion_tokens
     assert not base.workers[0].pool.used.any()
 
+def test_a_release_that_raises_still_frees_the_slots():
+    """Saving a finished sequence's KV raises once in Worker.step's release loop: that slot
+    (and any released after it in the batch) stayed taken, the pool filled up and every
+    later step on the worker failed with 'pool full'. Now only that step's sequences fail."""
+    rng = np.random.default_rng(0)
+    items = [prep(i, rng.integers(1, 40, size=3), max_tokens=2 + i % 2) for i in range(12)]
+    group = make_group([2])
+    w = group.workers[0]
+    release, calls = w.persist.release, []
+
+    def flaky(key, pool, slot, save=True):
+        calls.append(key)
+        if len(calls) == 1:
+            raise RuntimeError("saving KV failed")
+        release(key, pool, slot, save=save)
+
+    w.persist.release = flaky
+    res, _ = run(group, items)  # (checks that every slot was handed back)
+    errs = [r for r in res.values() if r.finish_reason == "error"]
+    assert len(res) == 12 and 1 <= len(errs) <= 2
+    assert all("saving KV failed" in r.error for r in errs)
+
 def test_row_decode_rate_ignores_the_eos_token():
     """One token per (virtual) second, then EOS: the row's rate is 1 token/s, as the job's;
     EOS is not in the completion, so its sampling time is not the last token's."""
