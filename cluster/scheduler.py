@@ -154,11 +154,13 @@ class Scheduler:
                 self._release[w], self._discard[w] = [], []
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
+                live = any(c > 0 for i, c in enumerate(self.group.capacities)
+                           if i not in self._dead)  # (a live one with slots)
                 self.stats.worker_deaths += 1
-                self.stats.recoveries += any(c > 0 for i, c in enumerate(self.group.capacities)
-                                             if i not in self._dead)  # (a live one with slots)
-                self.stats.requeued += len(mine)
-                self.metrics.worker_died(len(mine))
+                self.stats.recoveries += live
+                # (re-run only where a worker is left: else they fail below, not re-run)
+                self.stats.requeued += len(mine) if live else 0
+                self.metrics.worker_died(len(mine) if live else 0)
                 for s in reversed(mine):
                     waiting.appendleft(s.item)
             else:
@@ -343,6 +345,10 @@ class Scheduler:
             for w, o in self.group.step_all(batches).items():
                 if isinstance(o, BaseException):
                     log.warning("worker %s: releasing slots failed: %r", self.group.names[w], o)
+                    if self.group.is_dead(w, o):  # (its results are out; its last saves lost)
+                        self._dead.add(w)
+                        self.stats.worker_deaths += 1
+                        self.metrics.worker_died(0)
                     continue
                 for k, n in o.cache_events.items():  # the last sequences' KV saves
                     self.stats.kv_cache[k] = self.stats.kv_cache.get(k, 0) + n

@@ -392,6 +392,30 @@ def test_workers_dying_in_one_step_count_no_recovery_when_none_is_left():
     assert sorted(r.id for r in results) == sorted(it.req.id for it in items)
     assert all(r.error == "no live worker left" for r in results)
     assert stats.worker_deaths == 2 and stats.recoveries == 0
+    assert stats.requeued == 0  # (none re-run: they counted as requeued before)
+
+def test_a_worker_dying_in_the_final_release_is_counted():
+    """The last, release-only step (the final KV saves) meets a dead worker: every result
+    is out already, and the death counts (it was only logged: worker_deaths 0)."""
+    class DiesAtTheEnd(LocalGroup):
+        def step_all(self, batches):
+            out = super().step_all(batches)
+            if all(len(b.keys) == 0 for b in batches.values()):  # the release-only step
+                return {w: RuntimeError("actor died") for w in out}
+            return out
+
+        def is_dead(self, worker, exc):
+            return True
+
+    items = [prep(i, p, seed=i) for i, p in enumerate(prompts(4))]
+    results, m = [], JobMetrics(use_ray=False)
+    stats = Scheduler(DiesAtTheEnd(make_group([2, 2]).workers), max_context=MAX_CTX,
+                      prefill_chunk=7, eos_ids=[EOS], decode=decode, tier="f32",
+                      metrics=m).run(items, results.append)
+    assert len(results) == 4 and not any(r.error for r in results)
+    assert stats.worker_deaths == 2 and stats.requeued == 0
+    assert m.local["worker_deaths"] == 2
+
 
 def test_decode_rate_gauge_follows_decode_only_steps():
     m = JobMetrics(use_ray=False)
