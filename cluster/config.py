@@ -49,7 +49,8 @@ class Sampling(_Frozen):
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = Field(0, ge=0, lt=2 ** 64)  # (the samplers' counters are uint64)
+    seed: int = Field(0, ge=0, lt=2 ** 64)  # (uint64, as the samplers' counters; a line
+    # without a seed gets one mixed from this and its id: cluster/jobs/generate.request_seed)
 
 
 class Workers(_Frozen):

@@ -7,6 +7,7 @@ crash-safe ResultStore -> merge into OUT.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -146,8 +147,19 @@ def _prepare(r: Request, cfg: JobConfig, tok, vocab: int) -> Prepared | InputErr
                     max_tokens=r.max_tokens if r.max_tokens is not None else d.max_tokens,
                     temperature=r.temperature if r.temperature is not None else d.temperature,
                     top_p=r.top_p if r.top_p is not None else d.top_p,
-                    seed=r.seed if r.seed is not None else d.seed, stop=r.stop,
+                    seed=r.seed if r.seed is not None else request_seed(d.seed, result_key(r.id, r.line)),
+                    stop=r.stop,
                     cache=None if cfg.kv_cache_dir is None else r.cache or r.id)
+
+
+def request_seed(job_seed: int, key: str) -> int:
+    """The seed of a request that gives none: the job's `sampling.seed` mixed with the
+    request's row key (its id, else its line), so that sampled requests draw different
+    tokens (vLLM gives every request its own) while a rerun, or a re-run after a worker
+    died, draws the same ones. (Every such request used the job's seed itself: the same
+    prompt twice gave the same completion, and all requests shared their draws.)"""
+    h = hashlib.blake2b(key.encode("utf-8"), digest_size=8, key=int(job_seed).to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little")
 
 
 def _eos(tok, mcfg) -> set[int]:

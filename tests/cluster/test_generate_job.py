@@ -280,3 +280,24 @@ def test_resume_of_a_file_without_settings_checks_its_tier(tiny, tmp_path):
         run_generate(config(tiny, kv="kv8"), prompts, out, progress=False)
     s = run_generate(config(tiny), prompts, out, progress=False)
     assert s.skipped == 2 and pq.read_table(out).num_rows == 3
+
+
+def test_lines_without_a_seed_sample_apart_and_reproducibly(tiny, tmp_path):
+    """Sampled lines without `seed` took the job's seed itself, so the same prompt twice gave
+    the same completion. Now each draws with a seed made from the job's and its id: twice the
+    same prompt differs, a rerun gives the same rows, a given seed is kept."""
+    from cluster.jobs.generate import request_seed
+    assert request_seed(0, "a") != request_seed(0, "b") != request_seed(7, "b")
+    assert request_seed(7, "b") == request_seed(7, "b") < 2 ** 64
+    lines = [json.dumps({"id": f"d{i}", "prompt": "the cluster schedules", "max_tokens": 12,
+                         "temperature": 1.5}) for i in range(4)]
+    lines.append(json.dumps({"id": "s", "prompt": "the cluster schedules", "max_tokens": 12,
+                             "temperature": 1.5, "seed": 0}))
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    runs = []
+    for k in range(2):
+        run_generate(config(tiny), prompts, tmp_path / f"o{k}.parquet", progress=False)
+        runs.append(rows_by_id(tmp_path / f"o{k}.parquet"))
+    got = [tuple(runs[0][f"d{i}"]["completion_tokens"]) for i in range(4)]
+    assert len(set(got)) > 1, got  # (4 equal completions before)
+    assert all(runs[0][k]["completion_tokens"] == runs[1][k]["completion_tokens"] for k in runs[0])
