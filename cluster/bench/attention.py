@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -253,7 +254,22 @@ SKIPS = {"full": 0, "no convert": 1, "no scores": 2, "no context": 4, "no loads"
 
 def breakdown(args, ceil) -> list[dict]:
     """Time of variants that leave stages out (attention.cu SKIP; results discarded) at
-    16 x 32768: where a tile's time goes."""
+    16 x 32768: where a tile's time goes. Every variant, "full" included, runs attention.cu
+    with its own plan (KVFLEET_CUDA_WGMMA=0 meanwhile): SKIP exists there only, and on sm_90
+    "full" and "1 CTA/SM" would otherwise time attn_wg beside the stripped attention.cu."""
+    from kernels.cuda import attention as cuda_attention
+    old = os.environ.get(cuda_attention.WG_ENV)
+    os.environ[cuda_attention.WG_ENV] = "0"
+    try:
+        return _breakdown_rows(args)
+    finally:
+        if old is None:
+            del os.environ[cuda_attention.WG_ENV]
+        else:
+            os.environ[cuda_attention.WG_ENV] = old
+
+
+def _breakdown_rows(args) -> list[dict]:
     import cupy as cp
     from kernels.cuda import attention as cuda_attention
     rng = np.random.default_rng(1)

@@ -25,3 +25,43 @@ def test_floors_use_the_binding_ceiling():
     assert rows[0]["x_floor"] == pytest.approx(0.1325 / rows[0]["floor_ms"])
     assert rows[1]["bound"] == "bytes" and rows[1]["floor_ms"] == pytest.approx(0.1)
     assert rows[1]["x_floor"] == pytest.approx(0.5)
+
+
+def test_breakdown_times_every_variant_on_attention_cu(monkeypatch):
+    """(on sm_90 kv8 / tq4 "full" and "1 CTA/SM" ran attn_wg while the SKIP variants ran
+    attention.cu, those on a plan made for attn_wg's 1 CTA per SM at 16 heads instead of 2)"""
+    import os
+    import sys
+    import types
+
+    import kernels.cuda
+    from cluster.bench import attention
+
+    def wgmma():  # an sm_90 device: kernels/cuda/attention.py's choice for kv8 / tq4
+        return os.environ.get("KVFLEET_CUDA_WGMMA", "1") != "0"
+
+    runs = []
+
+    def decode(tier, planes, tables, plan, q_lat, q_rope, scale, _skip=0, _two_ctas=True):
+        runs.append(("wgmma" if wgmma() and not _skip else "attention.cu", plan))
+
+    fake = types.SimpleNamespace(
+        WG_ENV="KVFLEET_CUDA_WGMMA", paged_mla_decode=decode,
+        ctas_per_sm=lambda tier, H, dl, dr: 1 if wgmma() or H > 16 else 2,
+        decode_plan=lambda rows, positions, ctas_per_sm=1: f"{ctas_per_sm} CTA/SM")
+    cp = types.SimpleNamespace(float32="float32",
+                               random=types.SimpleNamespace(standard_normal=lambda *a, **k: None),
+                               get_default_memory_pool=lambda: types.SimpleNamespace(
+                                   free_all_blocks=lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "kernels.cuda.attention", fake)
+    monkeypatch.setattr(kernels.cuda, "attention", fake, raising=False)
+    monkeypatch.setattr(attention, "_device_planes", lambda tier, B, T, rng: (None, None))
+    monkeypatch.setattr(attention, "_graph_time", lambda fn, repeat: (fn(), (1e-3, "graph"))[1])
+    monkeypatch.delenv("KVFLEET_CUDA_WGMMA", raising=False)
+    args = types.SimpleNamespace(tiers=["kv8"], head_counts=[16], repeat=20)
+    rows = attention.breakdown(args, {})
+    assert list(rows[0]) == ["tier", "H", *attention.SKIPS, "1 CTA/SM"]
+    assert {kernel for kernel, _ in runs} == {"attention.cu"}
+    assert [plan for _, plan in runs] == ["2 CTA/SM"] * len(attention.SKIPS) + ["1 CTA/SM"]
+    assert "KVFLEET_CUDA_WGMMA" not in os.environ  # (restored)
