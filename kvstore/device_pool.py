@@ -85,11 +85,11 @@ class DevicePool(KVPool):
         self._plan = None
 
     # -- block tables: host is the truth, the device copy follows ---------------------------
-    def _ensure(self, slot: int, n_tokens: int) -> None:
-        before = self.block_tables[slot].copy()
-        super()._ensure(slot, n_tokens)
-        if not np.array_equal(before, self.block_tables[slot]):
+    def _allocate(self, slots: np.ndarray, need: np.ndarray) -> int:
+        k = super()._allocate(slots, need)
+        if k:
             self._tables_dev = None
+        return k
 
     def truncate(self, slot: int, n: int) -> None:
         super().truncate(slot, n)

@@ -224,18 +224,21 @@ class KVPool:
                              f"written tokens")
         return np.arange(start, end)
 
-    def _ensure(self, slot: int, n_tokens: int) -> None:
-        need = math.ceil(n_tokens / self.block_size)
-        if need > self.block_tables.shape[1]:
-            raise PoolFullError(f"slot {slot}: {n_tokens} tokens exceed the slot capacity "
-                                f"of {self.capacity_tokens}")
-        row = self.block_tables[slot]
-        missing = np.flatnonzero(row[:need] < 0)
-        if len(missing) > len(self._free_blocks):
-            raise PoolFullError(f"slot {slot}: needs {len(missing)} blocks, "
-                                f"{len(self._free_blocks)} free")
-        for i in missing:
-            row[i] = self._free_blocks.pop()
+    def _allocate(self, slots: np.ndarray, need: np.ndarray) -> int:
+        """Give each slot's table its first need[i] blocks where it has none yet, in one
+        pass (slot order, then block order: the ids a block-by-block pop() would give);
+        returns how many were taken. _check_positions has made sure that they fit."""
+        cols = np.arange(self.block_tables.shape[1])
+        rows = self.block_tables[slots]
+        hole = (rows < 0) & (cols[None, :] < need[:, None])
+        k = int(hole.sum())
+        if k > len(self._free_blocks):  # (unreachable after _check_positions)
+            raise PoolFullError(f"the write needs {k} new blocks, {len(self._free_blocks)} free")
+        if k:
+            rows[hole] = self._free_blocks[-k:][::-1]  # (pop() order)
+            del self._free_blocks[-k:]
+            self.block_tables[slots] = rows
+        return k
 
     def _where(self, slots: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block id, offset) of each (slot, position) of a write that _write_args checked,
@@ -243,10 +246,7 @@ class KVPool:
         if not slots.size:
             return slots, positions
         uniq, _, top, need = self._per_slot(slots, positions)
-        cols = np.arange(self.block_tables.shape[1])
-        short = ((self.block_tables[uniq] < 0) & (cols[None, :] < need[:, None])).any(axis=1)
-        for i in np.flatnonzero(short):
-            self._ensure(int(uniq[i]), int(top[i]) + 1)
+        self._allocate(uniq, need)
         blk = self.block_tables[slots, positions // self.block_size]
         return blk, positions % self.block_size
 

@@ -215,3 +215,41 @@ def test_rejected_writes_take_no_blocks_and_attend_checks_query_shapes():
     qr = rng.standard_normal((2, H, DR)).astype(np.float32)
     with pytest.raises(ValueError, match=r"q_lat has shape \(1, 4, 512\), expected \(2, 4, 512\)"):
         pool.attend(0, [a, a], [1, 2], q, qr, 0.1)
+
+
+def test_block_allocation_matches_one_pop_per_block():
+    """_allocate gives all the blocks of a write in one pass; the ids are those a pop() per
+    missing block (slot order, then block order) gives: ragged decode steps, a long
+    prefill chunk, slots freed and reused, in random order."""
+    rng = np.random.default_rng(12)
+    pool = KVPool(1, 16, 8, "f32", n_blocks=96, block_size=4, max_slots=8, max_blocks_per_slot=12)
+    free = list(range(95, -1, -1))  # the reference: the pool's own list, pop() per block
+    tables = {}
+    lengths = {}
+    for step in range(60):
+        if step % 9 == 8 and lengths:  # free a slot now and then
+            s = int(rng.choice(sorted(lengths)))
+            pool.free_slot(s)
+            free.extend([b for b in tables.pop(s) if b >= 0][::-1])  # (truncate's order)
+            del lengths[s]
+        while len(lengths) < 5:
+            s = pool.alloc_slot()
+            lengths[s], tables[s] = 0, [-1] * 12
+        slots, pos = [], []
+        for s in sorted(lengths):
+            n = int(rng.integers(1, 9)) if rng.random() < 0.3 else 1
+            n = min(n, 48 - lengths[s])
+            slots += [s] * n
+            pos += list(range(lengths[s], lengths[s] + n))
+        order = rng.permutation(len(slots))
+        slots, pos = np.array(slots)[order], np.array(pos)[order]
+        for s in sorted(set(slots.tolist())):
+            top = int(pos[slots == s].max())
+            for b in range(top // 4 + 1):
+                if tables[s][b] < 0:
+                    tables[s][b] = free.pop()
+            lengths[s] = top + 1
+        pool.write(0, slots, pos, rng.standard_normal((len(slots), 16)).astype(np.float32),
+                   rng.standard_normal((len(slots), 8)).astype(np.float32))
+        for s in lengths:
+            assert pool.block_tables[s].tolist() == tables[s], (step, s)
