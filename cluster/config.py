@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -58,7 +58,8 @@ class Workers(_Frozen):
     count: int = Field(1, ge=1)
     fleet: Path | None = None
     num_cpus: float = Field(1.0, ge=0.0)
-    resources: dict[str, float] = Field(default_factory=dict)  # e.g. {"cpu_worker": 1}
+    # e.g. {"cpu_worker": 1}; amounts >= 0 and finite, as Ray takes them
+    resources: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
     label_selector: dict[str, str] = Field(default_factory=dict)  # e.g. {"kind": "cpu"}
     runtime: Literal["ray", "inprocess"] = "ray"  # inprocess: no Ray at all (tests, bench)
     ray_num_cpus: int | None = Field(None, ge=1)  # CPUs of a local Ray started by the job

@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 import numpy as np
 import yaml
@@ -52,7 +52,7 @@ class Node(_Frozen):
     memory: float | Literal["auto"]
     reserve_gb: float = Field(2.0, ge=0, allow_inf_nan=False)
     slots: int = Field(1, ge=1)
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("memory", mode="before")

@@ -134,3 +134,17 @@ def test_model_from_env_is_relative_to_cwd(tmp_path, monkeypatch):
 def test_jobconfig_direct_construction_forbids_extras():
     with pytest.raises(pydantic.ValidationError):
         JobConfig(slot=3)
+
+
+def test_ray_resource_amounts_must_be_finite_and_not_negative(tmp_path):
+    """Ray refuses a negative custom resource only when the actor is made, deep in a job;
+    the job config and the fleet file name the key instead (both took any float before)."""
+    from cluster.fleet import Fleet, FleetError
+    for bad, why in (({"gpu_node": -1}, "greater than or equal to 0"), ({"x": float("inf")}, "finite")):
+        with pytest.raises(JobConfigError, match=f"workers.resources.{next(iter(bad))}.*{why}"):
+            load_job_config(env={}, overrides={"workers": {"resources": bad}})
+    assert load_job_config(env={}, overrides={"workers": {"resources": {"x": 0.5}}}).workers.resources == {"x": 0.5}
+    f = tmp_path / "f.yaml"
+    f.write_text("nodes:\n  - {name: box, kind: cpu, devices: 1, memory: 8, resources: {h200: -2}}\n")
+    with pytest.raises(FleetError, match="nodes.0.resources.h200"):
+        Fleet.from_file(f)
