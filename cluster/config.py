@@ -129,6 +129,7 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "KVFLEET_PREFILL_CHUNK": ("prefill_chunk", int),
     "KVFLEET_MAX_TOKENS": ("sampling.max_tokens", int),
     "KVFLEET_TEMPERATURE": ("sampling.temperature", float),
+    "KVFLEET_TOP_P": ("sampling.top_p", float),
     "KVFLEET_SEED": ("sampling.seed", int),
     "KVFLEET_WORKERS": ("workers.count", int),
     "KVFLEET_KV_CACHE_DIR": ("kv_cache_dir", str),

@@ -105,6 +105,7 @@ def test_env_tq_wins_over_kv8_with_a_warning(caplog):
     ({"KVFLEET_SLOTS": "0"}, r"slots \(from KVFLEET_SLOTS\)"),
     ({"KVFLEET_SEED": "-1"}, r"sampling.seed \(from KVFLEET_SEED\)"),
     ({"KVFLEET_TEMPERATURE": "inf"}, r"sampling.temperature \(from KVFLEET_TEMPERATURE\)"),
+    ({"KVFLEET_TOP_P": "2"}, r"sampling.top_p \(from KVFLEET_TOP_P\)"),
 ])
 def test_env_errors_name_the_variable(env, match):
     with pytest.raises(JobConfigError, match=match):
@@ -148,3 +149,9 @@ def test_ray_resource_amounts_must_be_finite_and_not_negative(tmp_path):
     f.write_text("nodes:\n  - {name: box, kind: cpu, devices: 1, memory: 8, resources: {h200: -2}}\n")
     with pytest.raises(FleetError, match="nodes.0.resources.h200"):
         Fleet.from_file(f)
+
+
+def test_top_p_default_from_the_environment():
+    """KVFLEET_TOP_P sets sampling.top_p, as KVFLEET_TEMPERATURE and KVFLEET_SEED set theirs
+    (there was no variable for it)."""
+    assert load_job_config(env={"KVFLEET_TOP_P": "0.9"}).sampling.top_p == 0.9
