@@ -359,7 +359,9 @@ def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) 
     pos = np.asarray(positions, np.int64)
     if rows.shape != pos.shape or rows.ndim != 1:
         raise ValueError(f"rows {rows.shape} and positions {pos.shape} must be equal 1-d shapes")
-    n_keys = np.maximum(pos + 1, 0)
+    if rows.size and rows.min() < -1:
+        raise ValueError(f"table row {int(rows.min())}: rows are >= 0, or -1 for a padding query")
+    n_keys = np.where(rows < 0, 0, np.maximum(pos + 1, 0))  # (a padding row reads no table row)
     total = int(n_keys.sum())
     if n_sm is None:
         n_sm = _device_info(cp.cuda.Device().id)[3]
@@ -380,7 +382,8 @@ def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) 
     while cluster > 1 and np.any(counts % cluster):
         cluster //= 2
     return DecodePlan(cp.asarray(work.reshape(-1, 4)), cp.asarray(splits), len(pos), W, chunk,
-                      int(rows.max(initial=-1)), int(n_keys.max(initial=0)), cluster)
+                      int(rows[n_keys > 0].max(initial=-1)), int(n_keys.max(initial=0)),
+                      cluster)
 
 
 @functools.lru_cache(maxsize=None)
