@@ -481,7 +481,9 @@ def _encode_tensor_map(ptr: int, dims: tuple, strides: tuple, box: tuple,
 TMA_SWIZZLE = {32: 1, 64: 2, 128: 3}  # row bytes -> CU_TENSOR_MAP_SWIZZLE_32B / 64B / 128B
 
 
-@functools.lru_cache(maxsize=64)
+# (more entries than layers x pools: layers are visited in a cycle, and an LRU smaller than
+# the cycle misses every time; an entry is a 256-byte device array)
+@functools.lru_cache(maxsize=4096)
 def _tma_maps_at(l_ptr: int, r_ptr: int, rows: int, lrow: int, rrow: int, bs: int,
                  device: int) -> cp.ndarray:
     # L: (byte in a 128-byte column block, row, column block): one box is a whole pool block,

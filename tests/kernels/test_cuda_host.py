@@ -17,3 +17,20 @@ def test_a_padding_row_gets_no_work_items(fake_cupy):
     assert (plan.max_row, plan.max_keys) == (1, 301)  # (row 2 reads no key)
     with pytest.raises(ValueError, match="table row -2"):
         A.decode_plan([0, -2], [3, 3], n_sm=132)
+
+
+def test_tma_maps_are_made_once_per_layer_of_a_78_layer_pool(fake_cupy, monkeypatch):
+    """(an LRU of 64 missed on every layer of every step for GLM-5.x's 78 layers: each attend
+    encoded and uploaded its tensor maps again)"""
+    fake_cupy()
+    from kernels.cuda import attention as A
+    from kvstore.device_pool import DevicePool
+
+    made = []
+    monkeypatch.setattr(A, "_encode_tensor_map",
+                        lambda ptr, dims, strides, box, swizzle: made.append(ptr) or bytes(128))
+    pool = DevicePool(78, 512, 64, "kv8", n_blocks=2, block_size=16, max_slots=1)
+    for _ in range(3):  # decode steps
+        maps = [A.tma_maps(p) for p in pool.planes]
+    assert len(made) == 2 * 78  # (an L and an R map per layer, on the first step only)
+    assert all(A.tma_maps(p) is m for p, m in zip(pool.planes, maps))
