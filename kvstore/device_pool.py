@@ -160,7 +160,7 @@ class DevicePool(KVPool):
         """The kernel's work split for this step; cached, so all layers of a step share it."""
         slots = np.asarray(slots, np.int64)
         positions = np.asarray(positions, np.int64)
-        key = slots.tobytes() + b"|" + positions.tobytes() + b"|" + bytes([n_heads % 256])
+        key = slots.tobytes() + b"|" + positions.tobytes() + b"|" + np.int64(n_heads).tobytes()
         if key != self._plan_key:
             per_sm = cuda_attention.ctas_per_sm(self.tier, n_heads, self.kv_lora, self.rope,
                                                 self.block_size)
