@@ -3,8 +3,9 @@
     fn = kernel("attention.cu", "attn_split", TIER=1, MT=4)   # compiled once per parameter set
 
 Parameters become -D defines, so one source yields one specialised module per tier / tile
-shape (mini-sglang's `_jit_*_module` idea). The cache is keyed on (source, defines, device)
-and lives for the process; compilation happens on first use, never at import.
+shape (mini-sglang's `_jit_*_module` idea). The cache is keyed on (source, defines, device,
+KVFLEET_CUDA_LINEINFO / KVFLEET_CUDA_PTXAS_V) and lives for the process; compilation happens
+on first use, never at import.
 """
 from __future__ import annotations
 
@@ -24,12 +25,19 @@ EXACT_OPTIONS = ("--std=c++17", "--fmad=false", "--prec-div=true", "--prec-sqrt=
 FAST_OPTIONS = ("--std=c++17",)
 
 
+def _env_flags() -> tuple[bool, bool]:
+    """(KVFLEET_CUDA_LINEINFO=1, KVFLEET_CUDA_PTXAS_V=1): read per call and part of the
+    cache keys, so a flag set after a first compile still compiles with it."""
+    return (os.environ.get("KVFLEET_CUDA_LINEINFO") == "1",
+            os.environ.get("KVFLEET_CUDA_PTXAS_V") == "1")
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name: str, defines: tuple[tuple[str, int], ...], exact: bool,
-            device: int) -> cp.RawModule:
+            device: int, lineinfo: bool = False) -> cp.RawModule:
     opts = (EXACT_OPTIONS if exact else FAST_OPTIONS) + tuple(
         f"-D{k}={v}" for k, v in defines)
-    if os.environ.get("KVFLEET_CUDA_LINEINFO") == "1":  # source lines for ncu / profilers
+    if lineinfo:  # source lines for ncu / profilers
         opts += ("--generate-line-info",)
     mod = cp.RawModule(code=_source(name), options=opts)
     mod.compile()
@@ -37,15 +45,16 @@ def _module(name: str, defines: tuple[tuple[str, int], ...], exact: bool,
 
 
 @functools.lru_cache(maxsize=None)
-def _module_arch(name: str, defines: tuple[tuple[str, int], ...], arch: str, device: int):
+def _module_arch(name: str, defines: tuple[tuple[str, int], ...], arch: str, device: int,
+                 lineinfo: bool = False, ptxas_v: bool = False):
     """NVRTC straight to a cubin for `arch` (e.g. sm_90a, which wgmma needs: CuPy's own
     compile names the plain sm_90 target). Returns (module, compile log)."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = [*FAST_OPTIONS, f"--gpu-architecture={arch}", *(f"-D{k}={v}" for k, v in defines)]
-    if os.environ.get("KVFLEET_CUDA_LINEINFO") == "1":
+    if lineinfo:
         opts.append("--generate-line-info")
-    if os.environ.get("KVFLEET_CUDA_PTXAS_V") == "1":  # registers / spills in the log
+    if ptxas_v:  # registers / spills in the log
         opts.append("--ptxas-options=-v")
     prog = nvrtc.createProgram(_source(name), name, [], [])
     try:
@@ -67,14 +76,14 @@ def arch_kernel(name: str, func: str, arch: str, **defines: int):
     """`func` of kernels/cuda/`name` compiled for one architecture (a cupy Function:
     fn(grid, block, args, shared_mem=...))."""
     key = tuple(sorted((k, int(v)) for k, v in defines.items()))
-    return _module_arch(name, key, arch, cp.cuda.Device().id)[0].get_function(func)
+    return _module_arch(name, key, arch, cp.cuda.Device().id, *_env_flags())[0].get_function(func)
 
 
 def arch_log(name: str, arch: str, **defines: int) -> str:
     """The compiler's log of that module (ptxas warnings; -v output under
     KVFLEET_CUDA_PTXAS_V=1)."""
     key = tuple(sorted((k, int(v)) for k, v in defines.items()))
-    return _module_arch(name, key, arch, cp.cuda.Device().id)[1]
+    return _module_arch(name, key, arch, cp.cuda.Device().id, *_env_flags())[1]
 
 
 def set_dynamic_smem(fn, nbytes: int) -> None:
@@ -206,7 +215,7 @@ def max_active_clusters(fn, cluster: int, threads: int, smem: int) -> int:
 def kernel(name: str, func: str, exact: bool = False, **defines: int) -> cp.RawKernel:
     """The compiled function `func` of kernels/cuda/`name` with `defines` as -D macros."""
     key = tuple(sorted((k, int(v)) for k, v in defines.items()))
-    return _module(name, key, exact, cp.cuda.Device().id).get_function(func)
+    return _module(name, key, exact, cp.cuda.Device().id, _env_flags()[0]).get_function(func)
 
 
 def cuda_available() -> bool:

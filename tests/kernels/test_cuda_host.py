@@ -34,3 +34,54 @@ def test_tma_maps_are_made_once_per_layer_of_a_78_layer_pool(fake_cupy, monkeypa
         maps = [A.tma_maps(p) for p in pool.planes]
     assert len(made) == 2 * 78  # (an L and an R map per layer, on the first step only)
     assert all(A.tma_maps(p) is m for p, m in zip(pool.planes, maps))
+
+
+def test_compile_caches_key_on_the_debug_flags(fake_cupy, monkeypatch):
+    """(KVFLEET_CUDA_LINEINFO / KVFLEET_CUDA_PTXAS_V were read inside the cached compile: set
+    after a first compile, e.g. tests/gpu/diag_wgmma.py --log, they were ignored)"""
+    import sys
+    import types
+
+    cp = fake_cupy()
+    from kernels.cuda import _build
+
+    compiled = []
+
+    class RawModule:  # cupy.RawModule: the options of each compile
+        def __init__(self, code, options):
+            compiled.append(options)
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            return name
+
+    class Module:  # cupy.cuda.function.Module
+        def load(self, cubin):
+            pass
+
+        def get_function(self, name):
+            return name
+
+    def compile_program(prog, opts):
+        compiled.append(tuple(opts))
+
+    nvrtc = types.SimpleNamespace(createProgram=lambda *a: None, compileProgram=compile_program,
+                                  getProgramLog=lambda prog: "-v" if "--ptxas-options=-v" in
+                                  compiled[-1] else "", getCUBIN=lambda prog: b"",
+                                  destroyProgram=lambda prog: None, NVRTCError=RuntimeError)
+    monkeypatch.setattr(cp, "RawModule", RawModule, raising=False)
+    monkeypatch.setattr(cp.cuda, "function", types.SimpleNamespace(Module=Module), raising=False)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", nvrtc)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs",
+                        types.SimpleNamespace(nvrtc=nvrtc))
+    monkeypatch.delenv("KVFLEET_CUDA_LINEINFO", raising=False)
+    monkeypatch.delenv("KVFLEET_CUDA_PTXAS_V", raising=False)
+    _build.kernel("codecs.cu", "fp8_encode", exact=True)
+    assert _build.arch_log("codecs.cu", "sm_90a", X=1) == ""
+    monkeypatch.setenv("KVFLEET_CUDA_LINEINFO", "1")
+    monkeypatch.setenv("KVFLEET_CUDA_PTXAS_V", "1")
+    _build.kernel("codecs.cu", "fp8_encode", exact=True)
+    assert _build.arch_log("codecs.cu", "sm_90a", X=1) == "-v"
+    assert ["--generate-line-info" in opts for opts in compiled] == [False, False, True, True]
