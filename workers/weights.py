@@ -181,6 +181,14 @@ def load_params(model_dir: str | Path, cfg: ModelConfig,
         if ref.shape != slot.shape:
             raise WeightsError(f"{ref.file}: tensor {name!r} has shape {list(ref.shape)}, "
                                f"expected {list(slot.shape)} from {cfg.source}")
+    for i, ids in (experts or {}).items():  # (a bad id left an np.empty row of the stack)
+        ids = np.asarray(ids).reshape(-1)
+        bad = [int(j) for j in ids if not 0 <= int(j) < cfg.n_routed_experts]
+        if (bad or len(set(ids.tolist())) != len(ids) or (ids.size and ids.dtype.kind not in "iu")
+                or not 0 <= int(i) < cfg.num_hidden_layers or not cfg.is_moe_layer(int(i))):
+            raise ValueError(f"experts[{i}] = {ids.tolist()[:8]}: needs a MoE layer of "
+                             f"{cfg.source} and distinct integer expert ids in "
+                             f"[0, {cfg.n_routed_experts})")
     rows = None if experts is None else {  # layer -> {expert id: row in the shard's stack}
         int(i): {int(j): r for r, j in enumerate(np.asarray(ids).tolist())} for i, ids in experts.items()}
     params: dict[str, np.ndarray] = {}

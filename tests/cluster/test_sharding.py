@@ -66,6 +66,11 @@ def test_shard_loader_reads_only_its_experts(tiny, monkeypatch):
     for k in full:  # dense weights all there, unchanged
         if ".experts." not in k:
             np.testing.assert_array_equal(part[k], full[k])
+    # ids a shard cannot hold are named, not left as np.empty rows of its stacks
+    for bad in ({1: np.array([6, 8])}, {1: np.array([2, 2])}, {1: np.array([-1])},
+                {0: np.array([1])}, {1: np.array([1.5])}):  # (layer 0 is dense)
+        with pytest.raises(ValueError, match=r"experts\[[01]\]"):
+            load_params(tiny, cfg, experts=bad)
 
 
 @pytest.mark.parametrize("kinds", [("cpu", "cpu", "cpu")] + ([("cpu", "metal", "cpu")] if HAS_MLX else []))
