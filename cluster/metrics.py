@@ -71,6 +71,13 @@ class JobMetrics:
                 record = getattr(self._ray[k], "_record", None)
                 if record is not None:
                     record(0)
+            # (and the saved-KV counter's known events: their names are fixed, so their
+            # series can start at 0 too; the fallbacks' paths are not known in advance)
+            from workers.persist import CACHE_EVENTS
+            record = getattr(self._ray["kv_cache"], "_record", None)
+            if record is not None:
+                for event in CACHE_EVENTS:
+                    record(0, tags={"event": event})
 
     def queue(self, waiting: int, active: int) -> None:
         if not self.enabled:

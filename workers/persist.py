@@ -72,6 +72,12 @@ class _Open:
     done: int  # KV rows [0, done) written by completed forwards (or loaded)
 
 
+# every name SlotPersist counts in `events` (the kvfleet_kv_cache metric's `event` tag,
+# started at 0 on the metrics endpoint: cluster/metrics.py)
+CACHE_EVENTS = ("hits", "misses", "busy", "errors", "rejected", "upgraded", "loaded_tokens",
+                "saved_tokens", "save_errors", "truncated")
+
+
 class SlotPersist:
     """The worker's persistence; `files` None = off (attach requests are ignored)."""
 

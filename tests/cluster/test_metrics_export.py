@@ -76,8 +76,8 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
         from cluster.metrics import JobMetrics
         JobMetrics(use_ray=True)
         _wait_for(port, lambda g: all(g.get(f"ray_kvfleet_{n}_total") == 0 for n in (
-            "worker_deaths", "requests_requeued", "experts_moved", "tokens_generated")),
-            "the counters at 0")
+            "worker_deaths", "requests_requeued", "experts_moved", "tokens_generated",
+            "kv_cache")), "the counters at 0")
         model = make_tiny(tmp_path / "model")
         prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(24, seed=9, max_tokens=48))
         cfg = load_job_config(None, env={}, overrides={

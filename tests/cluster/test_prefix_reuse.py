@@ -427,3 +427,17 @@ def test_failed_request_leaves_the_saved_conversation_whole(tiny, tmp_path, monk
     after, _, _ = saved(tiny, cache, "conv", "f32")
     assert after.tokens.tolist() == before.tokens.tolist()
     np.testing.assert_array_equal(after.l_codes, before.l_codes)
+
+
+def test_every_cache_event_starts_on_the_metrics_endpoint():
+    """The kvfleet_kv_cache counter starts each of workers.persist.CACHE_EVENTS at 0 (else
+    Prometheus's increase() misses an event's first step): every name SlotPersist counts
+    must be in that list."""
+    import re
+    from pathlib import Path
+
+    from workers.persist import CACHE_EVENTS
+    src = (Path(__file__).resolve().parents[2] / "workers" / "persist.py").read_text()
+    counted = set(re.findall(r'self\.events\["(\w+)"\]', src))
+    counted |= set(re.findall(r'self\.events\["(\w+)" if \w+ else "(\w+)"\]', src)[0])
+    assert counted and counted <= set(CACHE_EVENTS), sorted(counted - set(CACHE_EVENTS))
