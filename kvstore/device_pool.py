@@ -24,7 +24,7 @@ import cupy as cp
 import numpy as np
 
 from kernels.cpu import codecs as cpu_codecs
-from kernels.cpu.attention import LayerPlanes, paged_mla_attention
+from kernels.cpu.attention import LayerPlanes, paged_mla_attention, used_blocks
 from kernels.cuda import attention as cuda_attention
 from kernels.cuda import codecs as cuda_codecs
 from kvstore.pool import KVPool
@@ -188,11 +188,7 @@ class DevicePool(KVPool):
 
     def _cpu_attend(self, layer, slots, positions, q_lat, q_rope, scale) -> np.ndarray:
         """The numpy attention over a host copy of the blocks these slots use."""
-        tables = self.block_tables[slots]  # [N, nb], one row per query
-        blocks = np.unique(tables[tables >= 0])
-        remap = np.full(self.n_blocks, -1, np.int32)
-        remap[blocks] = np.arange(len(blocks), dtype=np.int32)
-        host_tables = np.where(tables >= 0, remap[np.maximum(tables, 0)], -1).astype(np.int32)
+        blocks, host_tables = used_blocks(self.block_tables[slots], self.n_blocks)  # [N, nb]
         p, b = self.planes[layer], cp.asarray(blocks)
         host = LayerPlanes(p.l_codes[b].get(), p.l_scale[b].get(), p.r_codes[b].get(),
                            p.r_scale[b].get())

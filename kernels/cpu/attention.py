@@ -57,6 +57,15 @@ def gather_rows(codes: np.ndarray, scale: np.ndarray, block_tables: np.ndarray,
     return g_codes, g_scale, valid
 
 
+def used_blocks(block_tables: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the block ids the tables use, sorted; the tables renumbered onto them, -1 kept): for
+    attending host copies of only those blocks (a backend without a kernel for the tier)."""
+    blocks = np.unique(block_tables[block_tables >= 0])
+    remap = np.full(n_blocks, -1, np.int32)
+    remap[blocks] = np.arange(len(blocks), dtype=np.int32)
+    return blocks, np.where(block_tables >= 0, remap[np.maximum(block_tables, 0)], -1).astype(np.int32)
+
+
 def plane_shapes(tier: Tier, planes: LayerPlanes, Dl: int, Dr: int) -> dict:
     """Each plane's expected shape, from l_codes' [n_blocks, bs] and the query widths."""
     nb_bs = tuple(planes.l_codes.shape[:2])

@@ -199,10 +199,7 @@ def _numpy_attention(tier: Tier, planes: LayerPlanes, block_tables: np.ndarray, 
     if stats is not None:
         stats.count_fallback(f"paged_attention_{tier.name}",
                              "no MLX attention for this tier; numpy attention", logging.WARNING)
-    blocks = np.unique(block_tables[block_tables >= 0])
-    remap = np.full(planes.l_codes.shape[0], -1, np.int32)
-    remap[blocks] = np.arange(len(blocks), dtype=np.int32)
-    tables = np.where(block_tables >= 0, remap[np.maximum(block_tables, 0)], -1).astype(np.int32)
+    blocks, tables = cpu_attention.used_blocks(block_tables, planes.l_codes.shape[0])
     idx = mx.array(blocks.astype(np.int32))
     host = LayerPlanes(*(np.array(getattr(planes, f)[idx])
                          for f in ("l_codes", "l_scale", "r_codes", "r_scale")))
