@@ -145,6 +145,8 @@ class Scheduler:
         sequences of that step, and their slots are released."""
         dead = {w for w, exc in failed.items() if self.group.is_dead(w, exc)}
         self._dead |= dead  # all of this step's deaths before any counts as recovered
+        live = any(c > 0 for i, c in enumerate(self.group.capacities)
+                   if i not in self._dead)  # (a live one with slots)
         for w, exc in failed.items():
             stepped = set(batches[w].keys.tolist()) if w in batches else set()
             mine = [s for s in active if s.worker == w and (w in dead or s.key in stepped)]
@@ -154,8 +156,6 @@ class Scheduler:
                 self._release[w], self._discard[w] = [], []
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
-                live = any(c > 0 for i, c in enumerate(self.group.capacities)
-                           if i not in self._dead)  # (a live one with slots)
                 self.stats.worker_deaths += 1
                 self.stats.recoveries += live
                 # (re-run only where a worker is left: else they fail below, not re-run)
