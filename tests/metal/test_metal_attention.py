@@ -159,6 +159,21 @@ def test_all_padding_gives_zeros_and_bad_shapes_are_named():
         paged_mla_attention("polar3", to_mx(p3), t3, q, qr, np.zeros((1, 1)), 1.0)
 
 
+def same_coded_rows(pools, slots, layer=1):
+    """Both pools hold byte-identical coded rows (codes and scales) for every slot."""
+    for s in slots:
+        for x, y in zip(pools[0].read_rows(s, layer), pools[1].read_rows(s, layer)):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def attend_both(pools, rng, q_slots, q_posn, H, Dl, Dr, scale, layer=1):
+    """(numpy pool's context, MLX pool's) for one random query batch at (slot, position)."""
+    ql = rng.standard_normal((len(q_slots), H, Dl)).astype(np.float32)
+    qr = rng.standard_normal((len(q_slots), H, Dr)).astype(np.float32)
+    return (pools[0].attend(layer, q_slots, q_posn, ql, qr, scale),
+            pools[1].attend(layer, q_slots, q_posn, mx.array(ql), mx.array(qr), scale))
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_mlx_pool_matches_numpy_pool(tier):
     """Same writes into kvstore.pool.KVPool and the MLX pool: identical coded rows, attention
@@ -175,17 +190,10 @@ def test_mlx_pool_matches_numpy_pool(tier):
         R = rng.standard_normal((n, Dr)).astype(np.float32)
         for p in pools:
             p.write(1, [s] * n, np.arange(n), L, R)
-    for s, n in lengths.items():
-        a, b = pools[0].read_rows(s, 1), pools[1].read_rows(s, 1)
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    same_coded_rows(pools, lengths)
     # ragged decode (one query per slot) and a prefill chunk of the first slot in one batch
     q_slots = np.array([slots[1], slots[0], slots[2], slots[0], slots[0]])
-    q_posn = np.array([2, 44, 16, 40, 41])
-    ql = rng.standard_normal((5, H, Dl)).astype(np.float32)
-    qr = rng.standard_normal((5, H, Dr)).astype(np.float32)
-    ref = pools[0].attend(1, q_slots, q_posn, ql, qr, 0.2)
-    got = pools[1].attend(1, q_slots, q_posn, mx.array(ql), mx.array(qr), 0.2)
+    ref, got = attend_both(pools, rng, q_slots, np.array([2, 44, 16, 40, 41]), H, Dl, Dr, 0.2)
     check_close(np.array(got), ref.astype(np.float64))
     assert pools[1].stats.fallback["paged_attention"] == 1
     assert pools[0].bytes_in_use() == pools[1].bytes_in_use() > 0
@@ -218,15 +226,9 @@ def test_polar_pool_attends_through_the_numpy_reference(tier, caplog):
             p.write(1, [s] * (b - a), np.arange(a, b), L, R)
     t0 = pools[1].block_tables[slots[0]]
     assert np.any(np.diff(t0[t0 >= 0]) != 1)  # slot 0's blocks are not one run
-    for s in slots:
-        for x, y in zip(pools[0].read_rows(s, 1), pools[1].read_rows(s, 1)):
-            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    same_coded_rows(pools, slots)
     q_slots = np.array([slots[1], slots[0], slots[2], slots[0], slots[0]])
-    q_posn = np.array([4, 21, 12, 15, 16])
-    ql = rng.standard_normal((5, H, Dl)).astype(np.float32)
-    qr = rng.standard_normal((5, H, Dr)).astype(np.float32)
-    ref = pools[0].attend(1, q_slots, q_posn, ql, qr, 0.3)
-    got = pools[1].attend(1, q_slots, q_posn, mx.array(ql), mx.array(qr), 0.3)
+    ref, got = attend_both(pools, rng, q_slots, np.array([4, 21, 12, 15, 16]), H, Dl, Dr, 0.3)
     assert isinstance(got, mx.array) and not np.isnan(ref).any()
     np.testing.assert_array_equal(np.array(got), ref)
     assert pools[1].rebuilds.value == pools[0].rebuilds.value > 0
