@@ -11,7 +11,8 @@ inert rule and rotation r = rotate(x):
   bit stream: codes LSB first at a running bit cursor, level 1 first (index order within a
   level), bytes = Tier.row_bytes(n); the scale is the radius (the row norm).
 Decode: r = [radius], then from the top level down r[2j] = r_j cos(c), r[2j+1] = r_j sin(c),
-then unrotate. radius <= 0 or non-finite decodes to zeros.
+then unrotate. radius <= 0 or non-finite decodes to zeros. (Radii >= 2^64 are decoded
+rescaled by an exact 2^-64 and scaled back, as in tq4.decode: no NaN at float32 max.)
 
 All float32 (pi is float32(pi); 0.5/pi is float32 0.5f/pi_f, which equals float32(0.5/pi)).
 numpy's float32 atan2/hypot/cos/sin may differ from another libm in the last bit, so codes
@@ -25,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 
 from kernels.cpu.rotation import rotatable, rotate_columns, unrotate_columns
-from kernels.cpu.tq4 import column_norms, live_rows
+from kernels.cpu.tq4 import column_norms, live_rows, narrowed, widen
 
 PI = np.float32(math.pi)
 QUARTER_PI = PI / np.float32(4.0)
@@ -201,9 +202,9 @@ def decode(codes: np.ndarray, radius: np.ndarray, n: int, bits: int) -> np.ndarr
     out = np.zeros((rows, n), dtype=np.float32)
     if not rotatable(n):
         return out
-    radius = np.asarray(radius, dtype=np.float32)
+    radius, wide = narrowed(radius)  # radii >= 2^64 decode rescaled: see tq4.narrowed
     step = max(1, _BLOCK_VALUES // n)
     for i in range(0, rows, step):  # a loop over cache-sized blocks, not rows
         yt = decode_rotated_columns(codes[i:i + step], radius[i:i + step], n, bits)
         out[i:i + step] = unrotate_columns(yt).T
-    return out
+    return widen(out, wide)

@@ -12,6 +12,8 @@ Per row of width n (a power of two, 2..2048; any other width is inert):
              are float32 and a tie keeps the lower index
     byte i/2 = code i in the low nibble (i even) or high nibble (i odd); scale = radius = norm
 Decode: level * float32(radius / sqrtf(n)), then unrotate; radius <= 0 or non-finite -> 0.
+(Radii >= 2^64 go through an exact power-of-two rescale so that those near float32 max do
+not overflow the butterfly; the bits are the contract's wherever its order stays finite.)
 
 Nearest level without 16 distance passes: float32 subtraction is monotone, so the nearest
 level is one of the two levels that bracket v; counting the levels <= v finds them and
@@ -141,8 +143,39 @@ def decode_rotated(codes: np.ndarray, radius: np.ndarray, n: int) -> np.ndarray:
     return y
 
 
+# Rows with radius >= 2^64 decode at radius * 2^-64 and are scaled back by 2^64 after the
+# unrotate. The contract's order (level * step, butterfly, * 1/sqrtf(n), signs) has partial
+# sums up to sqrt(n) times the row's largest value, which overflow for radii near float32
+# max (Inf - Inf: NaN). A power-of-two scale commutes with every float32 add and multiply
+# while nothing overflows or goes subnormal, and for these radii nothing does on either side
+# of the scale (every rotated-domain value is at least 2^-27 of the radius: tq4 levels over
+# sqrt(2048), the polar tree's cos/sin products), so a row whose contract-order decode is
+# finite keeps exactly its bits; the rest get the rounded true values (+-Inf only where a
+# value itself is past float32 max). Encode stores radii up to 3.4e38 (rows near 1e38
+# already decoded to Inf/NaN); larger ones come from a hostile or corrupt file.
+# polar.decode and the MLX decode share this.
+_WIDE = np.float32(2.0 ** 64)
+_NARROW = np.float32(2.0 ** -64)
+
+
+def narrowed(radius: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the radius to decode with, the rows to multiply by 2^64 after the unrotate)."""
+    radius = np.asarray(radius, dtype=np.float32)
+    wide = radius >= _WIDE  # (NaN compares False; an Inf stays Inf and decodes to zeros)
+    return np.where(wide, radius * _NARROW, radius).astype(np.float32), wide
+
+
+def widen(x: np.ndarray, wide: np.ndarray) -> np.ndarray:
+    """x[wide] *= 2^64 in place (a value past float32 max becomes +-Inf); returns x."""
+    if wide.any():
+        with np.errstate(over="ignore"):
+            x[wide] *= _WIDE
+    return x
+
+
 def decode(codes: np.ndarray, radius: np.ndarray, n: int) -> np.ndarray:
     """codes[R, n/2], radius[R] -> x[R, n] float32. Widths the rotation rejects decode to 0."""
     if not rotatable(n):
         return np.zeros((codes.shape[0], n), dtype=np.float32)
-    return unrotate(decode_rotated(codes, radius, n))
+    radius, wide = narrowed(radius)
+    return widen(unrotate(decode_rotated(codes, radius, n)), wide)

@@ -130,4 +130,10 @@ def decode(codes: mx.array, radius: mx.array, n: int) -> mx.array:
     """codes[R, n/2], radius[R] -> x[R, n] float32. Widths the rotation rejects decode to 0."""
     if not rotatable(n):
         return mx.zeros((*codes.shape[:-1], n), mx.float32)
-    return unrotate(decode_rotated(codes, radius, n))
+    # radii >= 2^64 decode at radius * 2^-64 and are scaled back (exact powers of two): the
+    # numpy reference's guard against the butterfly overflowing near float32 max (ref.narrowed)
+    radius = radius.astype(mx.float32)
+    wide = radius >= mx.array(ref._WIDE)
+    radius = mx.where(wide, radius * mx.array(ref._NARROW), radius)
+    x = unrotate(decode_rotated(codes, radius, n))
+    return x * mx.where(wide, mx.array(ref._WIDE), mx.array(np.float32(1.0)))[..., None]

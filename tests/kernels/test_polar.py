@@ -7,6 +7,7 @@ import pytest
 from kernels.cpu import polar, rotation, tq4
 from kernels.cpu.codecs import decode_rows, encode_rows
 from kernels.tiers import get_tier
+from wide_decode import assert_decodes_like_f64, unrotate_f64
 
 PI = np.float32(math.pi)
 
@@ -136,3 +137,35 @@ def test_inert_rows_and_bad_radius():
     assert np.all(y[:4] == 0) and np.all(np.isfinite(y))
     c, s = encode_rows("polar2", gaussian(2, 12))
     assert np.all(c == 0) and np.all(s == 0) and np.all(decode_rows("polar2", c, s, 12) == 0)
+
+
+@pytest.mark.parametrize("B", [2, 4, 6])
+@pytest.mark.parametrize("n", [2, 64, 2048])
+def test_decode_radius_at_float32_max(B, n):
+    """A hostile radius at float32 max decodes to the rounded true values, never NaN (the
+    inverse rotation's partial sums used to overflow); see test_tq4's test of the same name."""
+    rng = np.random.default_rng(B * n)
+    width = get_tier(f"polar{B}").row_bytes(n)
+    codes = rng.integers(0, 256, (5, width)).astype(np.uint8)
+    fmax = np.finfo(np.float32).max
+    radius = np.float32([fmax, fmax, 3.4e38, 1e38, 2.0 ** 100])
+    y = polar.decode(codes, radius, n, B)
+    # the polar tree never overflows (|cos|, |sin| <= 1); rebuild it at radius 1 and scale
+    # in float64, then the exact inverse rotation
+    unit = polar.decode_rotated(codes, np.ones(5, np.float32), n, B).astype(np.float64)
+    assert_decodes_like_f64(y, unrotate_f64(unit * radius.astype(np.float64)[:, None]))
+
+
+@pytest.mark.parametrize("B", [2, 5])
+def test_decode_of_large_radii_keeps_the_contract_order_bit_for_bit(B):
+    n = 256
+    rng = np.random.default_rng(B)
+    codes = rng.integers(0, 256, (2000, get_tier(f"polar{B}").row_bytes(n))).astype(np.uint8)
+    radius = (2.0 ** rng.uniform(-116, 124, 2000)).astype(np.float32)
+    radius[:20] = np.float32(2.0 ** 64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        literal = rotation.unrotate(polar.decode_rotated(codes, radius, n, B))
+    ok = np.isfinite(literal).all(axis=1)
+    assert ok.sum() > 1900
+    got = polar.decode(codes, radius, n, B)
+    assert np.array_equal(got[ok].view(np.uint32), literal[ok].view(np.uint32))

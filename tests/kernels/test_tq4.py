@@ -4,6 +4,7 @@ import pytest
 
 from kernels.cpu import rotation, tq4
 from kernels.cpu.codecs import decode_rows, encode_rows
+from wide_decode import assert_decodes_like_f64, unrotate_f64
 
 
 def norm_py(row):
@@ -171,3 +172,36 @@ def test_signalling_nan_row_is_inert_without_a_warning():
     q[1, 9] = np.nan
     want_c, want_s = codecs.encode_rows("tq4", q)
     assert scales[1] == 0.0 and np.array_equal(codes, want_c) and np.array_equal(scales, want_s)
+
+
+@pytest.mark.parametrize("n", [2, 64, 512, 2048])
+def test_decode_radius_at_float32_max(n):
+    """A radius at or near float32 max (only a hostile or corrupt file holds one: encode keeps
+    radius <= 3.4e38) decodes to the rounded true values, not NaN: the butterfly's partial
+    sums reach sqrt(n) times the row's largest value and used to overflow (Inf - Inf)."""
+    rng = np.random.default_rng(n)
+    codes = rng.integers(0, 256, (6, n // 2)).astype(np.uint8)
+    codes[0] = 0x00                      # every level -2.733: entries past float32 max -> Inf
+    codes[1] = 0x77                      # every level -0.128
+    radius = np.float32([np.finfo(np.float32).max, np.finfo(np.float32).max,
+                         np.finfo(np.float32).max, 3.4e38, 1e38, 2.0 ** 100])
+    y = tq4.decode(codes, radius, n)
+    step = radius.astype(np.float64) / np.sqrt(np.float32(n)).astype(np.float64)
+    assert_decodes_like_f64(y, unrotate_f64(tq4.unpack_levels(codes) * step[:, None]))
+
+
+@pytest.mark.parametrize("n", [2, 64, 2048])
+def test_decode_of_large_radii_keeps_the_contract_order_bit_for_bit(n):
+    """Rows whose contract-order decode stays finite keep exactly those bits, including the
+    radii (>= 2^64) that decode takes through the scaled path."""
+    rng = np.random.default_rng(n + 1)
+    codes = rng.integers(0, 256, (3000, n // 2)).astype(np.uint8)
+    radius = (2.0 ** rng.uniform(-116, 124, 3000)).astype(np.float32)
+    radius[:20] = np.float32(2.0 ** 64)
+    radius[20:40] = np.nextafter(np.float32(2.0 ** 64), np.float32(0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        literal = rotation.unrotate(tq4.unpack_levels(codes) * tq4.step(radius, n)[:, None])
+    ok = np.isfinite(literal).all(axis=1)
+    assert ok.sum() > 2900
+    got = tq4.decode(codes, radius, n)
+    assert np.array_equal(got[ok].view(np.uint32), literal[ok].view(np.uint32))

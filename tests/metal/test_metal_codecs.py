@@ -234,3 +234,17 @@ def test_decode_takes_codes_in_any_integer_dtype_like_numpy(tier):
             codecs.decode_rows(tier, c, scales, n)
     with pytest.raises(TierError, match=r"in 1\.\.1048576"):
         cpu_codecs.decode_rows(tier, wide, scales, n)
+
+
+@pytest.mark.parametrize("n", [2, 64, 512])
+def test_tq4_decode_of_huge_radii_matches_numpy(n):
+    """Radii from 2^64 up to float32 max (a hostile file's) decode through the same exact
+    power-of-two rescale as the numpy reference: the same bits, no NaN from the butterfly."""
+    rng = np.random.default_rng(n + 5)
+    codes = rng.integers(0, 256, (400, n // 2)).astype(np.uint8)
+    radius = (2.0 ** rng.uniform(-116, 128, 400)).astype(np.float32)
+    radius[:3] = [np.finfo(np.float32).max, 3.4e38, 2.0 ** 64]
+    want = cpu_codecs.decode_rows("tq4", codes, radius, n)
+    assert not np.isnan(want).any()
+    got = codecs.decode_rows("tq4", mx.array(codes), mx.array(radius), n)
+    np.testing.assert_array_equal(bits(np.array(got)), bits(want))
