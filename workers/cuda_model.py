@@ -38,7 +38,7 @@ import numpy as np
 
 from workers.config import ModelConfig
 from workers.mla import project
-from workers.model import Model, check_batch
+from workers.model import Model, check_batch, check_logits_at
 from workers.moe import route
 from workers.rope import Rope
 from workers.weights import load_params
@@ -247,13 +247,14 @@ class CudaModel:
         """Logits [N, vocab] (or [len(logits_at), vocab]) float32 on the host."""
         import cupy as cp
         tokens, slots, positions = check_batch(tokens, slots, positions, self.config.vocab_size)
+        logits_at = check_logits_at(logits_at, len(tokens))
         Model._note_dense_dsa(self, positions)  # the numpy model's DSA notice, same state
         cos, sin = (cp.asarray(a) for a in self.rope.cos_sin(positions))
         x = cp.take(self.embed, cp.asarray(tokens), axis=0)
         for layer in self.layers:
             x = layer(x, slots, positions, pool, cos, sin)
         if logits_at is not None:
-            x = cp.take(x, cp.asarray(np.asarray(logits_at, np.int64)), axis=0)
+            x = cp.take(x, cp.asarray(logits_at), axis=0)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return (x @ self.lm_head.T).get()
 

@@ -27,7 +27,7 @@ from kernels.metal.backend import KernelStats
 from kernels.metal.pool import MLXKVPool
 from workers.config import ModelConfig
 from workers.mla import project
-from workers.model import check_batch
+from workers.model import check_batch, check_logits_at
 from workers.moe import picks_by_expert, route
 from workers.rope import Rope
 from workers.weights import load_params
@@ -150,13 +150,14 @@ class MLXModel:
     def forward(self, tokens, slots, positions, pool: MLXKVPool, logits_at=None) -> np.ndarray:
         """Logits [N, vocab] (or [len(logits_at), vocab]) float32 for a flat token batch."""
         tokens, slots, positions = check_batch(tokens, slots, positions, self.config.vocab_size)
+        logits_at = check_logits_at(logits_at, len(tokens))
         with mx.stream(self.device):
             cos, sin = (mx.array(a) for a in self.rope.cos_sin(positions))
             x = self.embed[mx.array(tokens.astype(np.int32))]
             for layer in self.layers:
                 x = layer(x, slots, positions, pool, cos, sin, self.rope)
             if logits_at is not None:
-                x = x[mx.array(np.asarray(logits_at, np.int32))]
+                x = x[mx.array(logits_at.astype(np.int32))]
             x = rms_norm(x, self.norm, self.config.rms_norm_eps)
             return np.array(x @ self.lm_head.T, dtype=np.float32)
 

@@ -23,21 +23,58 @@ from workers.weights import load_params
 log = logging.getLogger(__name__)
 
 
+class BatchError(ValueError):
+    """A forward batch (tokens, slots, positions, logits_at) that cannot be run as given."""
+
+
+def _integers(values, what: str, kind: str = "integer ids") -> np.ndarray:
+    """values as int64 [N]; BatchError for anything that is not already integers: np.int64
+    casts truncate 3.5 to 3, read True as 1 and wrap uint64 past 2^63 (torch's embedding
+    refuses float indices for the same reason, even integral ones such as 3.0)."""
+    a = np.asarray(values)
+    if a.size == 0:
+        return np.zeros(0, np.int64)
+    name = a.dtype.name
+    if a.dtype.kind in "iu" and isinstance(values, (list, tuple)) and any(
+            isinstance(v, (bool, np.bool_)) for v in values):
+        name = "bool"  # a bool among ints ([True, 5]) reads as int64
+    if name == "bool" or a.dtype.kind not in "iu" or (
+            a.dtype.kind == "u" and int(a.max()) > np.iinfo(np.int64).max):
+        raise BatchError(f"{what} must be {kind} (int64 values), got {name} values "
+                         f"{a.reshape(-1)[:5].tolist()}")
+    return a.astype(np.int64).reshape(-1)
+
+
 def check_batch(tokens, slots, positions, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A flat forward batch as int64 arrays [N]; ValueError naming the bad values. Shared by
-    the numpy and MLX models."""
-    tokens = np.asarray(tokens, np.int64).reshape(-1)
-    slots = np.asarray(slots, np.int64).reshape(-1)
-    positions = np.asarray(positions, np.int64).reshape(-1)
+    """A flat forward batch as int64 arrays [N]; BatchError naming the bad values. Shared by
+    the numpy, MLX and CUDA models."""
+    tokens = _integers(tokens, "tokens")
+    slots = _integers(slots, "slots")
+    positions = _integers(positions, "positions")
     if not (len(tokens) == len(slots) == len(positions)) or len(tokens) == 0:
-        raise ValueError(f"tokens, slots, positions must be equal non-empty lengths, got "
+        raise BatchError(f"tokens, slots, positions must be equal non-empty lengths, got "
                          f"{len(tokens)}, {len(slots)}, {len(positions)}")
     if tokens.min() < 0 or tokens.max() >= vocab:
         bad = tokens[(tokens < 0) | (tokens >= vocab)][:5].tolist()
-        raise ValueError(f"token ids {bad} are outside the vocabulary [0, {vocab})")
+        raise BatchError(f"token ids {bad} are outside the vocabulary [0, {vocab})")
     if positions.min() < 0:
-        raise ValueError(f"negative positions {positions[positions < 0][:5].tolist()}")
+        raise BatchError(f"negative positions {positions[positions < 0][:5].tolist()}")
     return tokens, slots, positions
+
+
+def check_logits_at(logits_at, n: int) -> np.ndarray | None:
+    """The rows of an n-token batch whose logits to return, as int64, or None for all rows.
+    Checked before any layer runs (a row past the end was an IndexError after every layer
+    had written its KV; a negative one silently counted from the end)."""
+    if logits_at is None:
+        return None
+    if np.ndim(logits_at) != 1:
+        raise BatchError(f"logits_at must be one-dimensional, got shape {np.shape(logits_at)}")
+    at = _integers(logits_at, "logits_at", "integer row indices")
+    if at.size and (at.min() < 0 or at.max() >= n):
+        bad = at[(at < 0) | (at >= n)][:5].tolist()
+        raise BatchError(f"logits_at {bad} must index the batch's {n} rows (0..{n - 1})")
+    return at
 
 
 class Layer:
@@ -85,13 +122,14 @@ class Model:
     def forward(self, tokens, slots, positions, pool, logits_at=None) -> np.ndarray:
         """Logits [N, vocab] (or [len(logits_at), vocab]) f32 for a flat batch of tokens."""
         tokens, slots, positions = check_batch(tokens, slots, positions, self.config.vocab_size)
+        logits_at = check_logits_at(logits_at, len(tokens))
         self._note_dense_dsa(positions)
         x = self.embed[tokens]
         cos, sin = self.rope.cos_sin(positions)
         for layer in self.layers:
             x = layer(x, slots, positions, pool, cos, sin)
         if logits_at is not None:
-            x = x[np.asarray(logits_at, np.int64)]
+            x = x[logits_at]
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return (x @ self.lm_head.T).astype(np.float32, copy=False)
 

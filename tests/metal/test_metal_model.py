@@ -105,6 +105,13 @@ def test_bad_inputs_name_the_values(models):
         mlx_model.forward([1], [s], [-3], pool)
     with pytest.raises(ValueError, match="equal"):
         mlx_model.forward([1, 2], [s], [0, 1], pool)
+    with pytest.raises(ValueError, match=r"tokens must be integer ids.*float64 values \[2\.5\]"):
+        mlx_model.forward([2.5], [s], [0], pool)
+    with pytest.raises(ValueError, match=r"logits_at \[1\] must index the batch's 1 rows"):
+        mlx_model.forward([1], [s], [0], pool, logits_at=[1])
+    with pytest.raises(ValueError, match=r"logits_at must be integer row indices.*float64"):
+        mlx_model.forward([1], [s], [0], pool, logits_at=[0.0])
+    assert pool.length(s) == 0  # refused before any layer wrote its rows
 
 
 def test_load_metal_factory_shares_stats(tiny_dir):

@@ -156,3 +156,51 @@ def test_dsa_model_says_once_that_it_attends_densely_past_index_topk(tiny, caplo
         m.forward([3], [s], [11], pool)
     assert m.dense_past_topk
     assert caplog.text.count("past index_topk=8") == 1
+
+
+@pytest.mark.parametrize("field, tokens, slots, positions, match", [
+    ("tokens", [3.5], None, [0], r"tokens must be integer ids.*float64.*\[3\.5\]"),
+    ("tokens", np.array([3.0, 4.0]), None, [0, 1], r"tokens must be integer ids.*float64"),
+    ("tokens", [True, 5], None, [0, 1], r"tokens must be integer ids.*bool"),
+    ("tokens", np.array([True]), None, [0], r"tokens must be integer ids.*bool"),
+    ("tokens", ["7"], None, [0], r"tokens must be integer ids"),
+    ("tokens", [-1], None, [0], r"token ids \[-1\] are outside the vocabulary \[0, 512\)"),
+    ("tokens", [2 ** 63 + 5], None, [0], r"tokens must be integer ids.*int64"),
+    ("slots", [1], [0.0], [0], r"slots must be integer ids.*float64"),
+    ("positions", [1], None, [0.5], r"positions must be integer ids.*float64"),
+    ("positions", [1], None, [False], r"positions must be integer ids.*bool"),
+])
+def test_non_integer_ids_are_named_errors(models, field, tokens, slots, positions, match):
+    """Float, bool, string or out-of-int64 ids are refused, naming the argument (np.int64
+    casts used to truncate 3.5 to token 3 and read True as token 1), before any KV is written."""
+    from workers.model import BatchError
+    model, _ = models()
+    pool = new_pool(model)
+    s = pool.alloc_slot()
+    with pytest.raises(BatchError, match=match):
+        model.forward(tokens, [s] * len(tokens) if slots is None else slots, positions, pool)
+    assert pool.length(s) == 0
+
+
+@pytest.mark.parametrize("logits_at, match", [
+    ([14], r"logits_at \[14\] must index the batch's 14 rows \(0\.\.13\)"),
+    ([-1], r"logits_at \[-1\] must index the batch's 14 rows"),
+    ([2.0], r"logits_at must be integer row indices.*float64"),
+    ([True], r"logits_at must be integer row indices.*bool"),
+    ([[1, 2]], r"logits_at must be one-dimensional, got shape \(1, 2\)"),
+])
+def test_bad_logits_at_is_a_named_error_before_the_cache_is_written(models, logits_at, match):
+    """logits_at picks rows of this batch: a row past the end was an IndexError after every
+    layer had written its KV rows, a negative one silently picked a row from the end."""
+    from workers.model import BatchError
+    model, _ = models()
+    pool = new_pool(model)
+    s = pool.alloc_slot()
+    with pytest.raises(BatchError, match=match):
+        model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), pool, logits_at=logits_at)
+    assert pool.length(s) == 0
+    none = model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), pool, logits_at=[])
+    assert none.shape == (0, model.config.vocab_size)
+    ints = model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), pool,
+                         logits_at=np.array([3, 3, 0], np.uint8))
+    assert ints.shape == (3, model.config.vocab_size)
