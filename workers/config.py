@@ -24,10 +24,20 @@ REQUIRED = (
     "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
 )
 
-# Per-family defaults for optional keys the hub configs sometimes leave out (the
-# transformers config classes' defaults). Anything not listed falls back to COMMON.
-# (deepseek_v3: DeepseekV3Config's; its num_nextn_predict_layers=1 is not taken, as
-# transformers never runs those layers, and a checkpoint without the key has no MTP weights.)
+# Per-family defaults for optional keys the hub configs sometimes leave out: what the
+# transformers config class of the family holds (checked against transformers 5.24), so that
+# a config.json gives the model transformers (and vLLM) build from it. Anything not listed
+# falls back to COMMON.
+# - deepseek_v3: DeepseekV3Config. Its num_nextn_predict_layers=1 is not taken, as
+#   transformers never runs those layers, and a checkpoint without the key has no MTP weights.
+# - kimi_k2: no class of its own: the hub's config.json maps AutoConfig to its copy of
+#   DeepseekV3Config, and transformers' Kimi_K25Config reads a kimi_k2 text config as
+#   deepseek_v3; so DeepseekV3Config's defaults.
+# - glm_moe_dsa: GlmMoeDsaConfig (it has no rope_interleave key: its attention always
+#   interleaves, as COMMON's True does; mlp_layer_types defaults to first_k_dense_replace
+#   dense layers then sparse ones, which is_moe_layer computes from the same default).
+# bos/eos_token_id are not taken from the classes (0 / 1): they only decide where generation
+# stops, and token 1 is an ordinary token in other vocabularies (Kimi's eos is 163585).
 COMMON: dict[str, Any] = {
     "q_lora_rank": None, "n_shared_experts": 1, "first_k_dense_replace": 0,
     "moe_layer_freq": 1, "routed_scaling_factor": 1.0, "scoring_func": "sigmoid",
@@ -37,11 +47,14 @@ COMMON: dict[str, Any] = {
     "bos_token_id": None, "eos_token_id": None, "max_position_embeddings": 4096,
     "rope_theta": 10000.0, "attention_bias": False,
 }
+_DEEPSEEK_V3 = {"routed_scaling_factor": 2.5, "q_lora_rank": 1536, "n_group": 8,
+                "topk_group": 4, "first_k_dense_replace": 3}
 FAMILY: dict[str, dict[str, Any]] = {
-    "deepseek_v3": {"routed_scaling_factor": 2.5, "q_lora_rank": 1536, "n_group": 8,
-                    "topk_group": 4, "first_k_dense_replace": 3},
-    "kimi_k2": {"routed_scaling_factor": 2.5},
-    "glm_moe_dsa": {"routed_scaling_factor": 2.5},
+    "deepseek_v3": _DEEPSEEK_V3,
+    "kimi_k2": _DEEPSEEK_V3,
+    "glm_moe_dsa": {"routed_scaling_factor": 2.5, "q_lora_rank": 2048, "first_k_dense_replace": 3,
+                    "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
+                    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048},
     "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "n_shared_experts": 2,
                     "norm_topk_prob": False, "n_group": 1, "topk_group": 1},
 }

@@ -311,3 +311,43 @@ def test_tiny_model_is_deterministic(maker, tmp_path):
     b = maker.make_tiny_model(tmp_path / "b", 7)
     for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+# What transformers 5.24's config classes hold for the keys our ModelConfig reads, where a
+# config.json leaves them out. kimi_k2 has no class of its own: the hub's config.json maps
+# AutoConfig to its DeepseekV3Config and transformers' Kimi_K25Config reads a kimi_k2 text
+# config as deepseek_v3. (bos/eos, not listed, stay unset: see FAMILY in workers/config.py.)
+DEEPSEEK_V3_DEFAULTS = dict(
+    q_lora_rank=1536, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+    first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, rope_interleave=True,
+    attention_bias=False, index_n_heads=0, index_head_dim=0, index_topk=0)
+HF_DEFAULTS = {
+    "deepseek_v3": DEEPSEEK_V3_DEFAULTS,
+    "kimi_k2": DEEPSEEK_V3_DEFAULTS,
+    # GlmMoeDsaConfig; its attention always applies interleaved RoPE (no rope_interleave key)
+    "glm_moe_dsa": dict(
+        q_lora_rank=2048, n_shared_experts=1, routed_scaling_factor=2.5, n_group=1,
+        topk_group=1, first_k_dense_replace=3, norm_topk_prob=True,
+        max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=10000.0, rope_interleave=True, attention_bias=False, index_n_heads=32,
+        index_head_dim=128, index_topk=2048),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_DEFAULTS))
+def test_left_out_keys_read_as_the_transformers_config_class_has_them(model_type):
+    """A config.json with only the required keys gives the model transformers builds from
+    it (kimi_k2 and glm_moe_dsa took COMMON's q_lora_rank None, first_k_dense_replace 0,
+    n_group 1, rms_norm_eps 1e-6, max_position_embeddings 4096 and no DSA indexer)."""
+    from workers.config import REQUIRED
+    raw = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4,
+               moe_intermediate_size=32, model_type=model_type)
+    assert set(raw) - {"model_type"} == set(REQUIRED)
+    cfg = ModelConfig.from_dict(raw)
+    got = {k: getattr(cfg, k) for k in HF_DEFAULTS[model_type]}
+    assert got == HF_DEFAULTS[model_type]
+    assert cfg.rope_scaling is None
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False] * 3 + [True] * 3
