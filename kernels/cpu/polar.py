@@ -16,7 +16,11 @@ rescaled by an exact 2^-64 and scaled back, as in tq4.decode: no NaN at float32 
 
 All float32 (pi is float32(pi); 0.5/pi is float32 0.5f/pi_f, which equals float32(0.5/pi)).
 numpy's float32 atan2/hypot/cos/sin may differ from another libm in the last bit, so codes
-are exact up to boundary flips, as the contract allows.
+are exact up to boundary flips, as the contract allows. The encoder's atan2 is taken in
+float64 and rounded to float32: numpy's own float32 atan2 depends on the CPU (its AVX-512
+version differs from the correctly rounded value in ~38 % of inputs, its scalar path in
+almost none), and the rounded float64 one agrees with libm's atan2f wherever that is
+correctly rounded, on every machine.
 """
 from __future__ import annotations
 
@@ -168,7 +172,8 @@ def _encode_block(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         r = rotate_columns(xt)
         for lvl, (count, b, lo, width) in enumerate(layout(n, bits), start=1):
             a, c = r[0::2], r[1::2]
-            fields.append(_quantize(np.arctan2(c, a), lvl, b, np.float32(lo), np.float32(width)))
+            angle = np.arctan2(c.astype(np.float64), a.astype(np.float64)).astype(np.float32)
+            fields.append(_quantize(angle, lvl, b, np.float32(lo), np.float32(width)))
             r = np.hypot(a, c)
     packed = _pack(np.concatenate(fields, axis=0), n, bits).T
     return (np.where(live[:, None], packed, np.uint8(0)),
