@@ -46,7 +46,8 @@ def _helpers() -> str:
     """attn_wg's device helpers (barriers, descriptors, ldmatrix / stmatrix, the e4m3
     conversion, the wgmma wrappers): the text of attention_sm90.cu from its typedefs to its
     first HN-dependent function."""
-    text = _KERNEL.read_text()
+    from kernels.cuda._source import _source  # (its local headers inlined, as _build.py compiles it)
+    text = _source(_KERNEL.name)
     start, end = "typedef unsigned int u32;", "// desc: descriptor of the operand's base"
     if start not in text or end not in text:
         raise RuntimeError(f"{_KERNEL}: the helper section's markers moved ({start!r} ... {end!r})")
@@ -291,6 +292,77 @@ extern "C" __global__ void __launch_bounds__(384, 1) lock(float* out, int nh) {
     report(out, t0, t1, res);
 }
 
+// Seesaw: attn_wg's two warpgroups as in lock, but each adds its own half-tile into its 256
+// dims as soon as its own P^T half is made (no wait for the other warpgroup), then the other's
+// half once that is published, so that one warpgroup's softmax can run beside the other's
+// products. Named barriers: 8 + c = P^T half c published (warpgroup c arrives, 1 - c waits),
+// 10 + c = half c read (1 - c arrives once S^T of its next step is done, c waits before its
+// next stores), 12 + c = warpgroup c's own vote (the rescale is per warpgroup here: never
+// taken), 14 / 15: PP=1's alternation of the S^T phases. OFF: warpgroup 1 starts OFF cycles late.
+#ifndef OFF
+#define OFF 0
+#endif
+#ifndef PP
+#define PP 0
+#endif
+extern "C" __global__ void __launch_bounds__(384, 1) seesaw(float* out, int nh) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    fill(smem, 384);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
+    const int wgc = warp >> 2, wi = warp & 3;
+    if (wgc == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+    float res = 0.0f;
+    const u32 pt_addr = smem_u32(smem + R_PT);
+    const u64 qt_desc = make_desc(smem_u32(smem + R_QT), NJ * 128, 128);
+    const u64 own_desc = make_desc(pt_addr + wgc * 8192, NJ * 128, 128);
+    const u64 oth_desc = make_desc(pt_addr + (wgc ^ 1) * 8192, NJ * 128, 128);
+    const float* sM = (const float*)(smem + R_M);
+    const int lt = 16 * wi + (lane & 7) + (lane & 8);
+    const u32 kb = smem_u32(smem + R_K) + lt * KROW + ((lane >> 4) & 1) * 16;
+    const u32* vw = (const u32*)(smem + R_V) + (wgc * 8 * 128 + (tid & 127)) * 8;
+    float lsum[16], o[4][32];
+    for (int i = 0; i < 16; ++i) lsum[i] = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[mt][i] = 0.0f;
+    const unsigned long long t0 = clk64();
+    if (OFF > 0 && wgc == 1)
+        while (clk64() - t0 < (unsigned long long)OFF) {}
+    for (int step = 0; 2 * step < nh; ++step) {
+        float sacc[CH][32];
+        if (PP && wgc == 1) bar_sync(14, 256);             // warpgroup 0's S^T of this step is done
+        if (PP && wgc == 0 && step > 0) bar_sync(15, 256); // warpgroup 1's S^T of the last one
+        s_tile(sacc, kb, qt_desc, [&]() {
+            if (step > 0) bar_arrive(10 + (wgc ^ 1), 256);  // my last step's products read its half
+            if (PP && wgc == 0) bar_arrive(14, 256);
+            if (PP && wgc == 1 && 2 * step + 2 < nh) bar_arrive(15, 256);
+        });
+        const float over = softmax_pt(sacc[0], lsum, sM, pt_addr, 8 * wgc, wi, lane, [&]() {
+            if (step > 0) bar_sync(10 + wgc, 256);  // the other's products are done with my half
+        });
+        if (bar_or(12 + wgc, 128, over > 1e30f)) res += 1.0f;  // this warpgroup's vote
+        bar_arrive(8 + wgc, 256);                              // my half published
+        o_tile<4, 1>(o, vw + wgc * 4 * 128 * 8, own_desc, [](int) {}, [](int) {});
+        bar_sync(8 + (wgc ^ 1), 256);
+        o_tile<4, 1>(o, vw + (wgc ^ 1) * 4 * 128 * 8, oth_desc, [](int) {}, [](int) {});
+    }
+    wg_wait<0>();
+    const unsigned long long t1 = clk64();
+#pragma unroll
+    for (int i = 0; i < 16; ++i) res += lsum[i];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) res += o[mt][i];
+    report(out, t0, t1, res);
+}
+
 // named barriers: 4 + b = P^T buffer b published (warpgroup 0 arrives, 1-2 wait), 6 + b =
 // buffer b free (1-2 arrive, 0 waits); 2 = warpgroup 0's vote; 8 = S^T(h) done (OSPLIT)
 extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
@@ -388,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
 
 def run(defs: dict, nh: int = 256) -> tuple[float, float]:
     defs = dict(defs)
-    name = "lock" if defs.pop("LOCK", 0) else "roles"
+    name = "lock" if defs.pop("LOCK", 0) else ("seesaw" if defs.pop("SEE", 0) else "roles")
     src = "".join(f"#define {k} {v}\n" for k, v in defs.items()) + _helpers() + SRC
     mod = cp.RawModule(code=src, options=("-arch=sm_90a", "--std=c++17"))
     fn = mod.get_function(name)
@@ -398,7 +470,7 @@ def run(defs: dict, nh: int = 256) -> tuple[float, float]:
     fn.max_dynamic_shared_size_bytes = smem
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = cp.zeros(sms * 6, cp.float32)
-    threads = 384 if name == "lock" else 512
+    threads = 384 if name in ("lock", "seesaw") else 512
     fn((sms,), (threads,), (out, np.int32(8)), shared_mem=smem)
     fn((sms,), (threads,), (out, np.int32(nh)), shared_mem=smem)
     cp.cuda.Device().synchronize()
@@ -409,6 +481,14 @@ def run(defs: dict, nh: int = 256) -> tuple[float, float]:
 CONFIGS = [
     ("lockstep (attn_wg's structure)", dict(LOCK=1)),
     ("lockstep, rope drain", dict(LOCK=1, RD=1)),
+    ("seesaw", dict(SEE=1)),
+    ("seesaw, OFF=400", dict(SEE=1, OFF=400)),
+    ("seesaw, OFF=800", dict(SEE=1, OFF=800)),
+    ("seesaw, OFF=1500", dict(SEE=1, OFF=1500)),
+    ("seesaw, PP=1", dict(SEE=1, PP=1)),
+    ("seesaw, rope drain", dict(SEE=1, RD=1)),
+    ("seesaw, rope drain, OFF=800", dict(SEE=1, RD=1, OFF=800)),
+    ("seesaw, rope drain, PP=1", dict(SEE=1, RD=1, PP=1)),
     ("S^T alone (one warpgroup)", dict(S=1, X=0, O=0)),
     ("S^T alone, 2 chains", dict(S=1, X=0, O=0, CH=2, R0=168, R1=160)),
     ("S^T alone, SW=2", dict(S=1, X=0, O=0, SW=2)),
