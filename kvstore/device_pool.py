@@ -11,9 +11,10 @@ uploaded once, when written, and never again: attend moves no cached row across 
 Uploaded kv8 codes 0x7F / 0xFF (e4m3 NaN, which the contract decodes to 0) are stored as
 0x00 (also 0), as the Hopper attention kernel converts codes in hardware.
 `counters.rows_uploaded` / `bytes_uploaded` count every such upload (tests hold attend to
-zero). A tier or width without a CUDA kernel (polar on CUDA) falls back to the CPU codec /
-attention: `counters.fallbacks[(op, tier)]` counts each call, and the first of each kind is
-logged at WARNING -- never silent.
+zero). A tier or width without a CUDA kernel (polar on CUDA; attention on a GPU whose shared
+memory does not hold the smallest tile) falls back to the CPU codec / attention:
+`counters.fallbacks[(op, tier)]` counts each call, and the first of each kind is logged at
+WARNING -- never silent.
 """
 from __future__ import annotations
 
@@ -173,10 +174,9 @@ class DevicePool(KVPool):
         cupy queries give a cupy result, numpy queries a numpy one."""
         on_host = not isinstance(q_lat, cp.ndarray)
         slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
-        if not cuda_attention.has_kernel(self.tier, self.kv_lora, self.rope):
-            self.counters.fallback("attend", self.tier.name,
-                                   f"no CUDA attention kernel (kv_lora={self.kv_lora}, "
-                                   f"rope={self.rope})")
+        why = cuda_attention.no_kernel_reason(self.tier, self.kv_lora, self.rope)
+        if why is not None:  # (a polar tier, the widths, or too little shared memory)
+            self.counters.fallback("attend", self.tier.name, why)
             ctx = self._cpu_attend(layer, slots, positions, q_lat, q_rope, scale)
             return ctx if on_host else cp.asarray(ctx)
         ql = cp.ascontiguousarray(cp.asarray(q_lat, cp.float32))

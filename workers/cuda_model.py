@@ -259,12 +259,17 @@ class CudaModel:
         return (x @ self.lm_head.T).get()
 
     def drain_fallbacks(self) -> dict[str, int]:
-        """The pool's CPU fallbacks (polar tiers) since the last call, for the worker step."""
+        """Fallbacks since the last call, for the worker step: the pool's CPU paths
+        (cuda.<op>_<tier>, e.g. polar tiers) and the attention module's slower launches
+        (cuda.<name>, e.g. a smaller tile where shared memory is short); workers/fallbacks.py
+        lists every path."""
+        from kernels.cuda import attention as cuda_attention
+        out = {f"cuda.{name}": n for name, n in cuda_attention.drain_fallbacks().items()}
         if self.pool is None:
-            return {}
+            return out
         now = dict(self.pool.counters.fallbacks)
-        out = {f"cuda.{op}_{tier}": n - self._fallbacks_seen.get((op, tier), 0)
-               for (op, tier), n in now.items() if n > self._fallbacks_seen.get((op, tier), 0)}
+        out.update({f"cuda.{op}_{tier}": n - self._fallbacks_seen.get((op, tier), 0)
+                    for (op, tier), n in now.items() if n > self._fallbacks_seen.get((op, tier), 0)})
         self._fallbacks_seen = now
         return out
 

@@ -36,6 +36,15 @@ attention_sm90.cu PDLT), and tq4's attn_wg as one of attn_qprep (its copies of t
 start while qprep runs; its queries wait for qprep's end). KVFLEET_CUDA_PDL=0 turns both off;
 a launch the driver refuses, or a driver / kernel too old for it on an sm_90 device, is
 counted in `fallbacks` (the first of each logged) and plain launches follow.
+
+Shared memory: each specialisation's need (Shape / WgShape.shared_bytes(), the kernels'
+SM_TOTAL) is checked against the device's opt-in limit per block before it is chosen
+(_choose). Where attn_wg does not fit, attention.cu runs (`fallbacks["attn_wg_smem"]`); where
+this head count's attention.cu tiles do not fit (64 heads on an A100's 163 KB, most shapes on
+sm_86 / sm_89's 99 KB), fewer tokens per tile and then fewer heads per CTA (more head groups)
+do (`fallbacks["attn_split_smem"]`); where not even 16 heads on 32-token tiles fit,
+has_kernel() is False and callers take the CPU path. Each such call is counted, the first of
+each name logged.
 """
 from __future__ import annotations
 
@@ -60,14 +69,26 @@ LOG2E = 1.4426950408889634
 MIN_CHUNK = 256  # tokens; shorter chunks cost more in partial contexts than they save
 log = logging.getLogger(__name__)
 # Slower paths taken inside this module (e.g. attn_wg unclustered after a driver error), by
-# name; the first of each is logged.
+# name (workers/fallbacks.py declares each as a kvfleet_fallbacks path, cuda.<name>); the
+# first of each is logged. _since_drain: the counts drain_fallbacks() has not reported yet.
 fallbacks: Counter = Counter()
+_since_drain: Counter = Counter()
 
 
 def _count_fallback(what: str, why: str) -> None:
     if not fallbacks[what]:
         log.warning("%s: %s (counted in kernels.cuda.attention.fallbacks)", what, why)
     fallbacks[what] += 1
+    _since_drain[what] += 1
+
+
+def drain_fallbacks() -> dict[str, int]:
+    """This process's fallbacks since the previous drain, by name (for the worker step: the
+    counts are per process, so of several models in one process the first to drain reports
+    them, each once)."""
+    global _since_drain
+    out, _since_drain = dict(_since_drain), Counter()
+    return out
 
 
 PDL_ENV = "KVFLEET_CUDA_PDL"
@@ -84,8 +105,9 @@ def _pdl_enabled(fn=None) -> bool:
     if int(_device_info(cp.cuda.Device().id)[0]) < 90:
         return False  # (no PDL before Hopper: nothing to count)
     if _driver_version() < PDL_DRIVER:
-        _count_fallback("programmatic dependent launch (driver)",
-                        f"driver {_driver_version()} < {PDL_DRIVER}: plain launches")
+        _count_fallback("pdl_driver",
+                        f"programmatic dependent launch needs driver {PDL_DRIVER}, this is "
+                        f"{_driver_version()}: plain launches")
         return False
     if fn is None:
         return True
@@ -93,7 +115,7 @@ def _pdl_enabled(fn=None) -> bool:
     if ptr not in _ptx_archs:
         _ptx_archs[ptr] = ptx_arch(fn)
     if _ptx_archs[ptr] < 90:
-        _count_fallback("programmatic dependent launch (ptx)",
+        _count_fallback("pdl_ptx",
                         f"a kernel compiled for compute_{_ptx_archs[ptr]} (no griddepcontrol): "
                         f"plain launches for it")
         return False
@@ -123,18 +145,37 @@ def _launch_kernel(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int =
             return
         except (RuntimeError, AttributeError, OSError) as e:
             _pdl_refused = True
-            _count_fallback("programmatic dependent launch", f"{e}; plain launches from now on")
+            _count_fallback("pdl_refused", f"programmatic dependent launch refused: {e}; "
+                                           f"plain launches from now on")
             if stream_capturing():
                 raise
     fn(grid, block, args, shared_mem=shared_mem)
 
 
 def has_kernel(tier: Tier | str, kv_lora: int, rope: int) -> bool:
-    """True when attn_split covers this tier and these widths (else use the CPU path)."""
+    """True when attn_split covers this tier and these widths on this device (else use the
+    CPU path; no_kernel_reason() says why not)."""
+    return no_kernel_reason(tier, kv_lora, rope) is None
+
+
+def no_kernel_reason(tier: Tier | str, kv_lora: int, rope: int) -> str | None:
+    """Why no CUDA kernel attends over this tier and these widths on this device, or None:
+    the tier (polar), the widths (kv_lora % 128, rope % 16, tq4's rotation), or shared
+    memory (the smallest attention.cu tile, 16 heads x 32 tokens with one stage in flight,
+    must fit the device's opt-in limit per block; every head count can run on it)."""
     tier = get_tier(tier)
-    if tier.kind not in _TIER_ID or kv_lora % 128 or rope % 16 or kv_lora <= 0 or rope <= 0:
-        return False
-    return tier.kind != "tq" or (rotatable(kv_lora) and rotatable(rope))
+    if tier.kind not in _TIER_ID:
+        return f"no CUDA attention kernel for the {tier.kind} tiers"
+    if kv_lora % 128 or rope % 16 or kv_lora <= 0 or rope <= 0:
+        return (f"no CUDA attention kernel for kv_lora={kv_lora}, rope={rope} (kv_lora must "
+                f"be a positive multiple of 128, rope of 16)")
+    if tier.kind == "tq" and not (rotatable(kv_lora) and rotatable(rope)):
+        return f"no tq4 CUDA attention kernel for kv_lora={kv_lora}, rope={rope} (not rotatable)"
+    need, limit = Shape(_TIER_ID[tier.kind], 1, 32, kv_lora, rope).shared_bytes(), _smem_limit()
+    if need > limit:
+        return (f"the smallest CUDA attention tile for kv_lora={kv_lora}, rope={rope} needs "
+                f"{need} bytes of shared memory per block; this GPU allows {limit}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -181,25 +222,41 @@ def _smem_limit(ctas_per_sm: int = 1) -> int:
 
 
 def _shape(tier: Tier, n_heads: int, dl: int, dr: int, skip: int = 0,
-           two_ctas: bool = True) -> tuple[Shape, int]:
-    """(specialisation, head groups) for n_heads: up to 64 heads share one pass; as many
-    raw tiles in flight (3, 2 or 1) as shared memory allows. With <= 16 heads a coded tier
-    runs two CTAs per SM on 32-token tiles, so one CTA's conversion overlaps the other's
-    products (one CTA of 8 warps leaves the schedulers idle most cycles)."""
-    hg = min(64, -(-n_heads // 16) * 16)
-    tid = _TIER_ID[tier.kind]
-    if two_ctas and hg == 16 and tid != 0:
+           two_ctas: bool = True) -> tuple[Shape, int, str]:
+    """(specialisation, head groups, why it is smaller than this head count's own: "" where
+    it is not) for n_heads: up to 64 heads share one pass; as many raw tiles in flight (3, 2
+    or 1) as shared memory allows. With <= 16 heads a coded tier runs two CTAs per SM on
+    32-token tiles, so one CTA's conversion overlaps the other's products (one CTA of 8 warps
+    leaves the schedulers idle most cycles). Where the head count's own tiles do not fit the
+    device's shared memory, 32-token tiles, then fewer heads per CTA (more head groups, each
+    reading the cache again) do; has_kernel() checks that the smallest fits."""
+    n16 = -(-n_heads // 16)  # m-tiles of 16 heads
+    mt0, tid = min(4, n16), _TIER_ID[tier.kind]
+    bt0 = 32 if tid == 0 else 64
+    if two_ctas and mt0 == 1 and tid != 0:
         limit = _smem_limit(2)
         for nstage in (3, 2, 1):
             shape = Shape(tid, 1, 32, dl, dr, nstage, skip, 2)
             if shape.shared_bytes() <= limit:
-                return shape, -(-n_heads // hg)
+                return shape, n16, ""
     limit = _smem_limit()
-    for nstage in (3, 2, 1):
-        shape = Shape(tid, hg // 16, 32 if tid == 0 else 64, dl, dr, nstage, skip)
-        if shape.shared_bytes() <= limit:
-            break
-    return shape, -(-n_heads // hg)
+    for mt in range(mt0, 0, -1):
+        groups = -(-n16 // mt)
+        if mt < mt0 and mt > 1 and -(-n16 // (mt - 1)) == groups:
+            continue  # (mt - 1 makes as many groups, with less padding and shared memory)
+        for bt in dict.fromkeys((bt0, 32)):
+            for nstage in (3, 2, 1):
+                shape = Shape(tid, mt, bt, dl, dr, nstage, skip)
+                if shape.shared_bytes() <= limit:
+                    if (mt, bt) == (mt0, bt0):
+                        return shape, groups, ""
+                    need = Shape(tid, mt0, bt0, dl, dr, 1, skip).shared_bytes()
+                    return shape, groups, (
+                        f"{16 * mt0} heads per CTA on {bt0}-token tiles need {need} bytes of "
+                        f"shared memory per block, this GPU allows {limit}: {16 * mt} heads "
+                        f"per CTA ({groups} head groups) on {bt}-token tiles")
+    raise ValueError(f"{tier.name}: no attention.cu tile for kv_lora={dl}, rope={dr} fits "
+                     f"{limit} bytes of shared memory (has_kernel() is False)")
 
 
 WG_ENV = "KVFLEET_CUDA_WGMMA"  # "0": never the sm_90a kernel (comparisons, other GPUs)
@@ -276,14 +333,24 @@ def _tuning(text: str) -> tuple[tuple[str, int], ...]:
 def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgShape, int] | None:
     """(specialisation, head groups) of the sm_90a kernel, or None where it does not apply:
     not a Hopper GPU, KVFLEET_CUDA_WGMMA=0, f32 / polar tiers, widths (kv_lora other than
-    512, the two consumer warpgroups' 2 x 256 context dims; rope % 32) or a block size that
-    does not divide 64."""
+    512, the two consumer warpgroups' 2 x 256 context dims; rope % 32), a block size that
+    does not divide 64, or not enough shared memory (_wg_shapes: the ones tried)."""
+    shapes = _wg_shapes(tier, n_heads, dl, dr, bs)
+    limit = _device_info(cp.cuda.Device().id)[2]
+    for shape in shapes or ():
+        if shape.shared_bytes() <= limit:
+            return shape, -(-n_heads // shape.hn)
+    return None
+
+
+def _wg_shapes(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> list[WgShape] | None:
+    """The sm_90a kernel's specialisations for these parameters, best first (the first one
+    that fits the device's shared memory runs), or None where the kernel does not apply."""
     if os.environ.get(WG_ENV, "1") == "0" or tier.kind not in _WG_TIER:
         return None
     if dl != 512 or dr % 32 or bs <= 0 or 64 % bs or not has_kernel(tier, dl, dr):
         return None
-    cc, _, limit, _ = _device_info(cp.cuda.Device().id)
-    if cc != "90":
+    if _device_info(cp.cuda.Device().id)[0] != "90":
         return None
     hn = 16 if n_heads <= 16 else 32 if n_heads <= 32 else 64
     cvt = int(os.environ.get("KVFLEET_CUDA_KV8_CVT", "1"))
@@ -294,30 +361,57 @@ def _wg_shape(tier: Tier, n_heads: int, dl: int, dr: int, bs: int) -> tuple[WgSh
     tma = int(os.environ.get(TMA_ENV, "1") != "0" and bs % 8 == 0 and rrow in (32, 64, 128))
     # At 64 heads four L slots (kv8: all that fit): tq4 with six ran 0.193 ms at 16 x 32k
     # against 0.186 with four (ptxas spilled in the step loop).
-    for nslot in (4, 3) if hn == 64 else (5, 4, 3):  # (the mbarriers: 2 (NSLOT + NR) <= 16)
-        shape = WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, bs, tuning)
-        if shape.shared_bytes() <= limit:
-            return shape, -(-n_heads // hn)
-    return None
+    return [WgShape(_WG_TIER[tier.kind], hn, dl, dr, nslot, cvt, tma, bs, tuning)
+            for nslot in ((4, 3) if hn == 64 else (5, 4, 3))]  # (mbarriers: 2 (NSLOT + NR) <= 16)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """The kernel that attends for one tier, head count, widths and block size here."""
+    shape: Shape | WgShape | None  # None: no kernel fits (the CPU path)
+    groups: int = 0
+    fallbacks: tuple = ()  # (name, why) of each preferred kernel that did not fit
+    why: str = ""          # (shape None) why not
+
+
+def _choose(tier: Tier, n_heads: int, dl: int, dr: int, bs: int, skip: int = 0,
+            two_ctas: bool = True) -> _Choice:
+    """attn_wg where it applies and fits, else attention.cu's best tile that fits, else none
+    (the CPU path); the fallbacks a launch of it counts (kernel_path, ctas_per_sm and
+    paged_mla_decode all choose here, so the plan matches the launch)."""
+    why = no_kernel_reason(tier, dl, dr)
+    if why is not None:
+        return _Choice(None, why=why)
+    missed = ()
+    if not skip:
+        wg = _wg_shape(tier, n_heads, dl, dr, bs)
+        if wg is not None:
+            return _Choice(wg[0], wg[1])
+        shapes = _wg_shapes(tier, n_heads, dl, dr, bs)
+        if shapes:  # (it applies: shared memory is what it lacks)
+            need = min(s.shared_bytes() for s in shapes)
+            missed = (("attn_wg_smem", f"attn_wg ({shapes[0].hn} heads) needs {need} bytes of "
+                       f"shared memory per block, this GPU allows "
+                       f"{_device_info(cp.cuda.Device().id)[2]}: attention.cu runs"),)
+    shape, groups, smaller = _shape(tier, n_heads, dl, dr, skip, two_ctas)
+    if smaller:
+        missed += (("attn_split_smem", smaller),)
+    return _Choice(shape, groups, missed)
 
 
 def kernel_path(tier: Tier | str, n_heads: int, kv_lora: int, rope: int,
                 block_size: int = 16) -> str:
     """Which kernel attends for these parameters: 'wgmma' (attention_sm90.cu), 'mma'
     (attention.cu) or 'cpu' (no CUDA kernel: callers fall back)."""
-    tier = get_tier(tier)
-    if not has_kernel(tier, kv_lora, rope):
-        return "cpu"
-    return "wgmma" if _wg_shape(tier, n_heads, kv_lora, rope, block_size) else "mma"
+    shape = _choose(get_tier(tier), n_heads, kv_lora, rope, block_size).shape
+    return "cpu" if shape is None else "wgmma" if isinstance(shape, WgShape) else "mma"
 
 
 def ctas_per_sm(tier: Tier | str, n_heads: int, kv_lora: int, rope: int,
                 block_size: int = 16) -> int:
     """CTAs per SM of the kernel for this tier and head count (for decode_plan)."""
-    tier = get_tier(tier)
-    if _wg_shape(tier, n_heads, kv_lora, rope, block_size):
-        return 1
-    return _shape(tier, n_heads, kv_lora, rope)[0].minb
+    shape = _choose(get_tier(tier), n_heads, kv_lora, rope, block_size).shape
+    return shape.minb if isinstance(shape, Shape) else 1
 
 
 class _Kernels:
@@ -541,7 +635,7 @@ def _cluster_shape(shape: WgShape, groups: int, cluster: int, n_work: int,
         try:
             most = max_active_clusters(wg.fn, cl, WG_THREADS, wg.smem)
         except RuntimeError as e:  # (counted and logged; the kernel runs unclustered)
-            _count_fallback("attn_wg clusters", f"cuOccupancyMaxActiveClusters failed: {e}")
+            _count_fallback("attn_wg_clusters", f"cuOccupancyMaxActiveClusters failed: {e}")
             return replace(shape, cl=1)
         if n_work * groups <= cl * most:
             break
@@ -603,9 +697,9 @@ def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: D
         raise ValueError(f"q_lat {q_lat.shape} and q_rope {q_rope.shape} must be [N, H, D]")
     N, H, dl = q_lat.shape
     dr = q_rope.shape[2]
-    if not has_kernel(tier, dl, dr):
-        raise ValueError(f"{tier.name}: no CUDA attention kernel for kv_lora={dl}, rope={dr} "
-                         f"(has_kernel() is False; use the CPU path)")
+    why = no_kernel_reason(tier, dl, dr)
+    if why is not None:
+        raise ValueError(f"{tier.name}: {why} (has_kernel() is False; use the CPU path)")
     _check("q_lat", q_lat, cp.float32, (N, H, dl))
     _check("q_rope", q_rope, cp.float32, (N, H, dr))
     if plan.n_queries != N:
@@ -621,12 +715,15 @@ def paged_mla_decode(tier: Tier | str, planes, block_tables: cp.ndarray, plan: D
         raise ValueError(f"plan reaches table row {plan.max_row} / {plan.max_keys} keys; "
                          f"block_tables {block_tables.shape} x block_size {bs} is smaller")
     out = cp.empty((N, H, dl), cp.float32)
-    wg = None if _skip else _wg_shape(tier, H, dl, dr, bs)
-    if wg is not None:
-        if N:
-            _launch_wg(wg[0], wg[1], planes, block_tables, plan, q_lat, q_rope, scale, out)
+    if not N:
         return out
-    shape, groups = _shape(tier, H, dl, dr, _skip, _two_ctas)
-    if N:
-        _launch(tier, shape, groups, planes, block_tables, plan, q_lat, q_rope, scale, out)
+    choice = _choose(tier, H, dl, dr, bs, _skip, _two_ctas)
+    for name, why in choice.fallbacks:
+        _count_fallback(name, why)
+    if isinstance(choice.shape, WgShape):
+        _launch_wg(choice.shape, choice.groups, planes, block_tables, plan, q_lat, q_rope, scale,
+                   out)
+    else:
+        _launch(tier, choice.shape, choice.groups, planes, block_tables, plan, q_lat, q_rope,
+                scale, out)
     return out

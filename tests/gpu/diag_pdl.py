@@ -53,10 +53,10 @@ def run() -> None:
                         os.environ["KVFLEET_CUDA_PDL"] = pdl
                         os.environ["KVFLEET_CUDA_WG_TUNING"] = tuning
                         gpu._pdl_refused = False  # (each variant starts with PDL allowed)
-                        refused = gpu.fallbacks["programmatic dependent launch"]
+                        refused = gpu.fallbacks["pdl_refused"]
                         t, method = bench._graph_time(call, 10)
                         key = f"PDL={pdl} {tuning}".strip()
-                        if gpu.fallbacks["programmatic dependent launch"] != refused:
+                        if gpu.fallbacks["pdl_refused"] != refused:
                             key += " (REFUSED: plain launches)"
                         res.setdefault(f"{name} {key}", []).append(round(t * 1e3, 4))
                         if rep == 0:

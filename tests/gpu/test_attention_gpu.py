@@ -348,6 +348,30 @@ def test_kernel_path_choices():
     assert gpu.kernel_path("tq4", 16, 1024, DR) == "mma"
 
 
+# (compute capability, shared memory per SM, opt-in per block, SMs) of GPUs with less shared
+# memory than the H200: this one runs the tiles they would choose
+SMALL_SMEM = {"a100": ("80", 167936, 166912, 108), "sm89": ("89", 102400, 101376, 128)}
+
+
+@pytest.mark.parametrize("device", sorted(SMALL_SMEM))
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4"])
+@pytest.mark.parametrize("H", [128, 64, 24, 16])
+def test_tiles_for_less_shared_memory_match_float64(device, tier, H, monkeypatch):
+    """Where a head count's own attention.cu tiles do not fit a GPU's shared memory, the
+    smaller ones chosen instead (32-token tiles, fewer heads per CTA) are as accurate, and
+    counted; where none fits there is no kernel (the CPU path)."""
+    info = SMALL_SMEM[device]
+    monkeypatch.setattr(gpu, "_device_info", lambda dev: info)
+    monkeypatch.setattr(gpu, "fallbacks", gpu.Counter())
+    if gpu.kernel_path(tier, H, DL, DR) == "cpu":
+        assert (device, tier) == ("sm89", "f32") and not gpu.has_kernel(tier, DL, DR)
+        return
+    shape, groups, smaller = gpu._shape(get_tier(tier), H, DL, DR)
+    assert shape.shared_bytes() <= info[2]
+    run(tier, H, n_sm=info[3], seed=H + 1)
+    assert gpu.fallbacks == ({"attn_split_smem": 1} if smaller else {})
+
+
 _PROBE = r"""
 // primary: lets its dependents start, then waits (at most `spin` cycles) for the dependent's
 // `started` flag before it writes `done`. dependent: reads `done`, raises `started`, waits
@@ -448,7 +472,7 @@ def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch)
     assert not launched
     monkeypatch.setenv("KVFLEET_CUDA_PDL", "1")
     assert gpu._pdl_enabled()
-    before = gpu.fallbacks["programmatic dependent launch"]
+    before = gpu.fallbacks["pdl_refused"]
     got = calls()
     # every call's combine, and tq4's attn_wg (after attn_qprep)
     assert len(launched) == len(qs) * (2 if tier == "tq4" else 1), len(launched)
@@ -469,7 +493,7 @@ def test_programmatic_dependent_launch_gives_the_same_bits(tier, H, monkeypatch)
             stream.synchronize()
             for i, (o, w) in enumerate(zip(outs, want)):
                 np.testing.assert_array_equal(o.get(), w, err_msg=f"{tier} H={H} graph {rep} call {i}")
-    assert gpu.fallbacks["programmatic dependent launch"] == before
+    assert gpu.fallbacks["pdl_refused"] == before
 
 
 def test_launch_dependent_packs_arguments_as_cupy_does():
