@@ -9,7 +9,8 @@
     kvfleet_kv_bytes_in_use           Gauge      tags tier, device (the worker)
     kvfleet_fallbacks                 Counter    tag path: a native path that fell back (e.g.
                                                  cpu.polar_rebuild_rows, cuda.attend_polar3,
-                                                 cuda.host_model_steps: a cuda worker on numpy)
+                                                 cuda.host_model_steps: a cuda worker on numpy;
+                                                 every path: workers/fallbacks.py)
     kvfleet_expert_pins               Gauge      tag device: routed experts the worker holds
     kvfleet_expert_hit_rate           Gauge      tag device: share of its routed picks served
                                                  by its own shard (workers/expert_shard.py)
@@ -71,13 +72,16 @@ class JobMetrics:
                 record = getattr(self._ray[k], "_record", None)
                 if record is not None:
                     record(0)
-            # (and the saved-KV counter's known events: their names are fixed, so their
-            # series can start at 0 too; the fallbacks' paths are not known in advance)
+            # (and the tagged ones' known tags: the saved-KV events and the fallback paths
+            # are fixed names, so their series start at 0 too)
+            from workers.fallbacks import FALLBACK_PATHS
             from workers.persist import CACHE_EVENTS
-            record = getattr(self._ray["kv_cache"], "_record", None)
-            if record is not None:
-                for event in CACHE_EVENTS:
-                    record(0, tags={"event": event})
+            for k, tag, values in (("kv_cache", "event", CACHE_EVENTS),
+                                   ("fallbacks", "path", FALLBACK_PATHS)):
+                record = getattr(self._ray[k], "_record", None)
+                if record is not None:
+                    for value in values:
+                        record(0, tags={tag: value})
 
     def queue(self, waiting: int, active: int) -> None:
         if not self.enabled:

@@ -162,8 +162,9 @@ class MLXModel:
             return np.array(x @ self.lm_head.T, dtype=np.float32)
 
     def drain_fallbacks(self) -> dict[str, int]:
-        """Fallbacks since the last call (the worker step reports them)."""
-        return self.stats.drain_fallbacks()
+        """Fallbacks since the last call (the worker step reports them), as metal.<name>
+        (workers/fallbacks.py lists every path)."""
+        return {f"metal.{name}": n for name, n in self.stats.drain_fallbacks().items()}
 
 
 def load_metal(model_dir: str | Path, tier: str, slots: int, max_context: int,

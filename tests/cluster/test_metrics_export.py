@@ -30,11 +30,19 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def _wait_for(port: int, ok, what: str, timeout_s: float = 90.0) -> dict[str, float]:
+def _paths(port: int) -> dict[str, float]:
+    """ray_kvfleet_fallbacks_total by its path tag."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^ray_kvfleet_fallbacks_total\{[^}]*\bpath="([^"]+)"[^}]*\} ([-+0-9.eEinfNa]+)$', text,
+        re.M)}
+
+
+def _wait_for(port: int, ok, what: str, timeout_s: float = 90.0, scrape=_scrape) -> dict:
     """Scrape until ok(metrics) holds; the metrics agent exports on its own period."""
     deadline = time.monotonic() + timeout_s
     while True:
-        got = _scrape(port)
+        got = scrape(port)
         if ok(got):
             return got
         assert time.monotonic() < deadline, f"never saw {what}; last scrape: {got}"
@@ -78,6 +86,10 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
         _wait_for(port, lambda g: all(g.get(f"ray_kvfleet_{n}_total") == 0 for n in (
             "worker_deaths", "requests_requeued", "experts_moved", "tokens_generated",
             "kv_cache")), "the counters at 0")
+        # (and the fallbacks at every declared path: workers/fallbacks.py)
+        from workers.fallbacks import FALLBACK_PATHS
+        _wait_for(port, lambda g: g == dict.fromkeys(FALLBACK_PATHS, 0.0),
+                  "every fallback path at 0", scrape=_paths)
         model = make_tiny(tmp_path / "model")
         prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(24, seed=9, max_tokens=48))
         cfg = load_job_config(None, env={}, overrides={

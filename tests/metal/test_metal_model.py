@@ -120,7 +120,7 @@ def test_load_metal_factory_shares_stats(tiny_dir):
     s = pool.alloc_slot()
     model.forward([1, 2, 3], [s] * 3, [0, 1, 2], pool)
     drained = model.drain_fallbacks()
-    assert drained["paged_attention"] == model.config.num_hidden_layers
+    assert drained["metal.paged_attention"] == model.config.num_hidden_layers
     assert model.drain_fallbacks() == {}
 
 
