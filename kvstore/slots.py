@@ -51,23 +51,49 @@ def slot_filename(name: str, suffix: str) -> str:
 
 
 class SlotLock:
-    """An exclusive, non-blocking flock on `path`.lock; released by close()."""
+    """An exclusive, non-blocking flock on `path`.lock; released by close().
+
+    close(remove=True) also deletes the lock file, while still holding it (`kvfleet kv
+    convert` does, so that no OUT.lock is left beside the file it wrote). An opener that got
+    the file before it was deleted then holds a lock on a name no one else can open, so
+    every opener checks, once locked, that the path still names the file it locked, and
+    opens it again when it does not."""
 
     def __init__(self, path: str):
-        self.path = path
-        self._fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise SlotBusyError(f"{path}: KV cache file is in use by another writer (pid {holder}); "
-                                f"stop that process or use another --kv-cache-dir", holder) from None
+        self.path, self.lock_path = path, path + ".lock"
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise SlotBusyError(f"{path}: KV cache file is in use by another writer (pid "
+                                    f"{holder}); stop that process or use another --kv-cache-dir",
+                                    holder) from None
+            except OSError:
+                os.close(fd)
+                raise
+            try:
+                current = os.stat(self.lock_path)
+            except FileNotFoundError:
+                current = None
+            if current is not None and os.path.samestat(os.fstat(fd), current):
+                break
+            os.close(fd)  # a holder deleted it as it let go: lock the file that is there now
+        self._fd = fd
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)
 
-    def close(self) -> None:
+    def close(self, remove: bool = False) -> None:
+        """Releases the lock; with `remove`, deletes the lock file first (safe while held:
+        see the class docstring)."""
         if self._fd >= 0:
+            if remove:
+                try:
+                    os.unlink(self.lock_path)
+                except FileNotFoundError:
+                    pass
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1

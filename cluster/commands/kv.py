@@ -6,7 +6,9 @@ loader would do with the file (torn tail, repaired rows, and, with --model/--tie
 that model would resume it). `convert` rewrites the records in another format and/or tier
 (same tier: a byte copy of the records; f32 -> quantized: encode_rows; otherwise decode then
 encode, which is lossy); the output is written atomically, under the output's slot lock
-(kvstore/slots.py), so a file that a running job holds is refused, never renamed under it.
+(kvstore/slots.py), so a file that a running job holds is refused, never renamed under it;
+convert deletes that lock file again as it lets go (a busy output's lock, which another
+process holds, is left alone).
 Both refuse a file that a loader would throw away whole (a clean start).
 """
 from __future__ import annotations
@@ -154,7 +156,7 @@ def convert_cmd(args) -> int:
         dst = cls(args.output, src.fp, dst_tier)
         dst.rewrite(out)
     finally:
-        lock.close()
+        lock.close(remove=True)  # (held by us: no other process can hold OUT.lock now)
     print(f"wrote {len(out)} records ({dst_tier.name}, {fmt}) to {args.output} "
           f"({os.path.getsize(args.output)} bytes; from {src_fmt} {src.tier.name})")
     return 0

@@ -263,3 +263,29 @@ def test_inspect_model_check_says_dsa_is_not_resumable(tmp_path, capsys):
     last = out.strip().splitlines()[-1]
     assert rc == 0 and last.startswith("resume with kv8: not resumable by kvfleet: ")
     assert "does not support DSA models" in last and ": load" not in out
+
+
+def test_convert_removes_its_lock_file_but_never_a_held_one(tmp_path, capsys):
+    """convert left OUT.lock beside every file it wrote, and beside the output it refused to
+    write (a bad input); the lock of an output that a job holds must stay, still held."""
+    from kvstore.slots import SlotBusyError, SlotLock
+    src, dst = tmp_path / "in.arrow", tmp_path / "out.coli_kv"
+    write(ArrowKVFile, src, FP, "f32", [records(FP, "f32", 6, 3)])
+    assert run(capsys, "kv", "convert", src, dst, "--to", "kv8")[0] == 0
+    assert dst.exists() and sorted(os.listdir(tmp_path)) == ["in.arrow", "out.coli_kv"]
+    assert run(capsys, "kv", "convert", dst, dst, "--to", "tq4")[0] == 0  # in place
+    assert sorted(os.listdir(tmp_path)) == ["in.arrow", "out.coli_kv"]
+    junk = tmp_path / "junk.arrow"
+    junk.write_bytes(b"not a cache at all")
+    rc, _, err = run(capsys, "kv", "convert", junk, tmp_path / "o.arrow", "--to", "kv8")
+    assert rc == 2 and "not a KV cache" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.arrow", "junk.arrow", "out.coli_kv"]
+    held = SlotLock(str(dst))  # a running job's lock
+    try:
+        rc, _, err = run(capsys, "kv", "convert", src, dst, "--to", "kv8")
+        assert rc == 2 and "in use by a running job" in err
+        assert (tmp_path / "out.coli_kv.lock").read_text() == str(os.getpid())
+        with pytest.raises(SlotBusyError):  # still held: a third writer is refused
+            SlotLock(str(dst))
+    finally:
+        held.close()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from diskdata import FP, records, same
-from kvstore.slots import SlotBusyError, SlotFiles, slot_filename
+from kvstore.slots import SlotBusyError, SlotFiles, SlotLock, slot_filename
 
 
 def test_names_are_safe_and_distinct(tmp_path):
@@ -100,3 +100,32 @@ def test_other_process_refused(tmp_path):
 def test_bad_format():
     with pytest.raises(ValueError, match="fmt='parquet'"):
         SlotFiles("/tmp", FP, "kv8", fmt="parquet")
+
+
+def test_a_lock_file_removed_while_an_opener_waits_is_opened_again(tmp_path, monkeypatch):
+    """close(remove=True) deletes the lock file while holding it. An opener that had opened
+    the old file then locks a deleted file: it must notice and lock the file at the path, or
+    it and the next opener (which creates a new lock file) would both hold 'the' lock."""
+    import fcntl
+
+    from kvstore import slots
+    path = str(tmp_path / "s.coli_kv")
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_a_holder_removed_it(fd, op):
+        calls.append(op)
+        if len(calls) == 1:  # between this opener's open() and flock(): the holder lets go
+            os.unlink(path + ".lock")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(slots.fcntl, "flock", flock_after_a_holder_removed_it)
+    first = SlotLock(path)
+    monkeypatch.setattr(slots.fcntl, "flock", real_flock)
+    try:
+        assert os.path.exists(path + ".lock")
+        with pytest.raises(SlotBusyError, match=f"pid {os.getpid()}"):
+            SlotLock(path)  # the lock at the path is the one `first` holds
+    finally:
+        first.close(remove=True)
+    assert not os.path.exists(path + ".lock")
+    SlotLock(path).close()  # free again
