@@ -10,6 +10,7 @@ section that only the soak reads.
         max_parity_breaks: 0         # greedy prompts whose A and B completions differ
         max_lost_requests: 0         # requests with no result (e.g. after a worker kill)
         max_errors: null             # error rows per round
+        max_failed_rounds: 0         # rounds whose generate run exited non-zero or timed out
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class SoakGate(_Frozen):
     max_parity_breaks: int | None = Field(0, ge=0)
     max_lost_requests: int | None = Field(0, ge=0)
     max_errors: int | None = Field(None, ge=0)
+    max_failed_rounds: int | None = Field(0, ge=0)
 
 
 class SoakSection(_Frozen):

@@ -13,6 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from cluster.soak.summary import describe_returncode  # noqa: E402
+
 COLORS = {"A": "#1f77b4", "B": "#d62728"}
 
 
@@ -59,13 +61,35 @@ def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
     t0 = rounds.start_s.min()
     for arm, r in rounds.groupby("arm"):
         ax.barh(arm, r.end_s - r.start_s, left=r.start_s - t0, color=COLORS.get(arm), alpha=0.5)
+    bad = rounds[rounds.failed.astype(bool)] if "failed" in rounds else rounds.iloc[:0]
+    if len(bad):  # outlined and hatched: the round's run exited non-zero or timed out
+        ax.barh(bad.arm, bad.end_s - bad.start_s, left=bad.start_s - t0, fill=False,
+                edgecolor="#b00", hatch="xx", lw=1.5, label="failed round")
     if not faults.empty:
         ax.vlines(faults.time_s - t0, -0.5, len(rounds.arm.unique()) - 0.5, colors="k",
                   linestyles="dashed", label="worker killed")
+    if not faults.empty or len(bad):
         ax.legend(loc="upper right")
     ax.set_xlabel("time since start (s)")
     ax.set_title("rounds and fault timeline")
     return _png(fig)
+
+
+def _failed_rounds(summary: dict) -> str:
+    failed = summary.get("failed_rounds")
+    if failed is None:
+        return ""
+    if not failed:
+        return "<h2>failed rounds</h2><p>none: every round's run exited 0</p>"
+    rows = "".join(f"<tr><td>{f['round']}</td><td>{html.escape(f['arm'])}</td>"
+                   f"<td>{html.escape(describe_returncode(f['returncode']))}</td>"
+                   f"<td>rounds/r{f['round']:03d}_{html.escape(f['arm'])}.log</td></tr>"
+                   for f in failed)
+    return (f'<h2 class="fail">failed rounds: {len(failed)}</h2><p>the run of these rounds '
+            "exited non-zero or timed out; the rows they had served are kept (unserved ones "
+            "count as lost), and each counts against the gate's max_failed_rounds.</p>"
+            "<table><tr><th>round</th><th>arm</th><th>how</th><th>log</th></tr>"
+            f"{rows}</table>")
 
 
 def _img(b64: str | None, alt: str) -> str:
@@ -100,6 +124,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 .fail{{color:#b00}} .pass{{color:#070}}</style></head><body>
 <h1>{html.escape(title)}</h1>
 <p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
+{_failed_rounds(summary)}
 {''.join(parts)}
 <h2>greedy parity (A vs B)</h2>
 <p>{compared} prompt-rounds compared, {len(breaks)} differ; the table gives the index of the

@@ -3,7 +3,9 @@ round one `python -m cluster generate` run on a shared Ray cluster, until --roun
 or --duration is spent. A round that has started runs to its end: past the duration it
 still gets twice the longest earlier round (so the last round of a --duration soak is
 not killed for running late), and a round that takes longer than its limit is a timeout
-whose unserved requests count as lost.
+whose unserved requests count as lost. A round whose run exits non-zero (it crashed, or
+was killed) or times out is a failed round: the gate's max_failed_rounds (default 0) fails
+the soak on it, whatever rows it had served (those still count, as in any round).
 
 Each round runs in its arm's working directory (another checkout of the code, or this one),
 joins the soak's Ray cluster through RAY_ADDRESS, and leaves a Parquet of results and a
@@ -18,7 +20,8 @@ soak there would be resumed, not rerun).
 Output under DIR:
     rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
     requests.parquet   one row per request and round
-    rounds.parquet     one row per round and arm (soak.summary.ROUND_METRICS + faults)
+    rounds.parquet     one row per round and arm (soak.summary.ROUND_METRICS + faults;
+                       `failed`: the round's run exited non-zero or timed out, `returncode`)
     faults.parquet     one row per injected kill
     summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
     report.html        the self-contained report
@@ -150,7 +153,8 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     row = {
         "round": meta["round"], "arm": meta["arm"], "label": meta["label"],
         "start_s": meta["start_s"], "end_s": meta["end_s"], "wall_s": meta["end_s"] - meta["start_s"],
-        "returncode": meta["returncode"], "requests": len(req),
+        "returncode": meta["returncode"], "failed": meta["returncode"] != "0",
+        "requests": len(req),
         "throughput_tok_s": (stats["tokens"] / stats["wall_s"]) if stats.get("wall_s") else None,
         "ttft_median_s": float(ok.ttft_s.median()) if len(ok) else None,
         "decode_tok_s_median": float(ok.decode_tokens_per_s.median()) if len(ok) else None,

@@ -5,8 +5,9 @@ Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
 
     requests: one row per request and round: round, arm ("A"/"B"), id, line, ttft_s,
               decode_tokens_per_s, completion_tokens (list), finish_reason, error, ...
-    rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, and the
-              fault counters kills, recoveries, lost_requests.
+    rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, the
+              fault counters kills, recoveries, lost_requests, and `failed` with the run's
+              `returncode` ("0", another exit status, or "timeout").
 
 A ratio is B/A of the same round (rounds interleave A B A B, so a pair shares the machine's
 state); the summary gives the median, min and max of those per-round ratios.
@@ -97,7 +98,25 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame, greedy: bool) -> dic
                          "first_diff_min": None if diffs.empty else int(diffs.first_diff.min())}
     out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "recoveries", "lost_requests")
                      if k in rounds}
+    if "failed" in rounds:
+        bad = rounds[rounds.failed.astype(bool)]
+        out["faults"]["failed_rounds"] = len(bad)
+        out["failed_rounds"] = [{"round": int(r), "arm": a, "returncode": str(rc)}
+                                for r, a, rc in zip(bad["round"], bad.arm, bad.returncode)]
+        for arm in arms:
+            out["metrics"][arm]["failed_rounds"] = int((bad.arm == arm).sum())
     return out
+
+
+def describe_returncode(rc: str) -> str:
+    """A round's returncode as words: "timeout", "exit status 1", "killed by signal 9"."""
+    if rc == "timeout":
+        return "timed out"
+    try:
+        n = int(rc)
+    except ValueError:
+        return rc
+    return f"killed by signal {-n}" if n < 0 else f"exit status {n}"
 
 
 @dataclass(frozen=True)
@@ -115,7 +134,9 @@ class GateFailure:
 
 def apply_gate(summary: dict, gate) -> list[GateFailure]:
     """Check a summary against a gate (an object with min_throughput_ratio,
-    max_parity_breaks, max_lost_requests, max_errors; None disables a rule). With a B arm,
+    max_parity_breaks, max_lost_requests, max_errors, max_failed_rounds; None disables a
+    rule). A failed round (its run exited non-zero or timed out) counts against
+    max_failed_rounds even when every request it was given had been served. With a B arm,
     a throughput ratio that no round measured, or greedy parity with no prompt-round compared,
     fails its rule: missing data never passes."""
     fails = []
@@ -136,4 +157,9 @@ def apply_gate(summary: dict, gate) -> list[GateFailure]:
             errs = m.get("errors", {}).get("max")
             if errs is not None and errs > gate.max_errors:
                 fails.append(GateFailure(f"errors per round ({arm})", errs, gate.max_errors, ">"))
+    failed = summary.get("failed_rounds", [])
+    if gate.max_failed_rounds is not None and len(failed) > gate.max_failed_rounds:
+        which = ", ".join(f"round {f['round']} {f['arm']}: {describe_returncode(f['returncode'])}"
+                          for f in failed[:4]) + (", ..." if len(failed) > 4 else "")
+        fails.append(GateFailure(f"failed rounds ({which})", len(failed), gate.max_failed_rounds, ">"))
     return fails

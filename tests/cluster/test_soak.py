@@ -57,7 +57,8 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     r = s["ratio_B_over_A"]["kv_bytes"]
     assert 0.2 < r["median"] < 0.3
     assert s["parity"]["compared"] == 12 and s["parity"]["greedy"] is True
-    assert s["faults"] == {"kills": 0, "recoveries": 0, "lost_requests": 0}
+    assert s["faults"] == {"kills": 0, "recoveries": 0, "lost_requests": 0, "failed_rounds": 0}
+    assert s["failed_rounds"] == [] and rounds.failed.tolist() == [False] * 4
     assert s["gate"]["passed"] is True
     html = (out / "report.html").read_text()
     assert html.count("<img") == 4 and "f32 vs kv8" in html
@@ -92,6 +93,7 @@ def test_soak_with_worker_kills_loses_nothing(setup, monkeypatch):
     assert s["faults"]["kills"] >= 1
     assert s["faults"]["lost_requests"] == 0
     assert s["faults"]["recoveries"] >= 1
+    assert s["faults"]["failed_rounds"] == 0  # a worker kill the job recovers from fails no round
     assert code == 0
     req = pd.read_parquet(out / "requests.parquet")
     for _, g in req.groupby("round"):

@@ -56,3 +56,30 @@ def test_report_counts_only_the_compared_prompt_rounds(tmp_path):
     write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
     assert s["parity"]["compared"] == 1
     assert "<p>1 prompt-rounds compared, 0 differ;" in out.read_text()
+
+
+def test_report_lists_the_failed_rounds(tmp_path):
+    """A round whose run exited non-zero or timed out is named in the report (with how it
+    ended and its log) and marked on the timeline; the report said nothing of it."""
+    rounds = pd.DataFrame({"round": [0, 0, 1, 1], "arm": list("ABAB"),
+                           "start_s": [0.0, 2.0, 4.0, 6.0], "end_s": [1.0, 3.0, 5.0, 7.0],
+                           "throughput_tok_s": [100.0, None, 100.0, 95.0],
+                           "ttft_median_s": 0.1, "decode_tok_s_median": 10.0, "rss_bytes": 1e9,
+                           "kv_bytes": 1e6, "errors": 0, "kills": 0, "recoveries": 0,
+                           "lost_requests": [0, 3, 0, 0],
+                           "returncode": ["0", "-9", "0", "timeout"]})
+    rounds["failed"] = rounds.returncode != "0"
+    requests = pd.DataFrame([{"round": r, "arm": a, "id": "p0", "line": 1, "completion_tokens": [1],
+                              "finish_reason": "length", "ttft_s": 0.1, "decode_tokens_per_s": 10.0}
+                             for r in range(2) for a in "AB"])
+    s = summarize(requests, rounds, greedy=True)
+    out = tmp_path / "report.html"
+    write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
+    page = out.read_text()
+    assert "failed rounds: 2" in page and page.count("<img") == 4
+    assert "<td>0</td><td>B</td><td>killed by signal 9</td><td>rounds/r000_B.log</td>" in page
+    assert "<td>1</td><td>B</td><td>timed out</td>" in page
+    rounds["failed"], rounds["returncode"] = False, "0"
+    write_report(out, summarize(requests, rounds, greedy=True), rounds, parity_table(requests),
+                 pd.DataFrame(columns=["time_s"]), "t")
+    assert "none: every round's run exited 0" in out.read_text()

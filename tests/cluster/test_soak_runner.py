@@ -154,6 +154,7 @@ def test_a_killed_round_keeps_the_rows_it_had_flushed(tmp_path):
     row, req = runner._round_rows(meta, runner._expected_keys(prompts))
     assert row["lost_requests"] == 2  # lines 2 and 3 were never served
     assert sorted(req.id) == ["a", "b"] and row["errors"] == 0  # the newest row per key
+    assert row["failed"] is True and row["returncode"] == "timeout"
 
 
 def test_arm_file_that_is_not_utf8_is_a_usage_error(tmp_path):
@@ -173,3 +174,47 @@ def test_prompts_that_cannot_be_read_are_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match=r"--prompts .*prompts: Is a directory"):
         runner.run_soak(plan)
     assert not out.exists()
+
+
+FAKE_GENERATE = """\
+# A build whose `generate` serves every line of the soak's prompts, then dies with exit 3
+# (as a crash after the results were merged, or a killed process, would).
+import sys
+import pyarrow as pa, pyarrow.parquet as pq
+out = sys.argv[sys.argv.index("--out") + 1]
+rows = [("a", 1, "length", None), (None, 2, "error", "line 2: malformed JSON"),
+        (None, 3, "error", "line 3: duplicate id 'a'"), ("b", 4, "stop", None)]
+pq.write_table(pa.Table.from_pylist([
+    {"id": i, "line": n, "finish_reason": f, "error": e, "completion_tokens": [1, 2],
+     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n, f, e in rows]), out)
+sys.exit(3)
+"""
+
+
+def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
+    """A round's run served every line and then exited 3: nothing lost, so the soak passed
+    (exit 0) with a crashed build. Its rows stay, and the failed round fails the gate, shows in
+    rounds.parquet, summary.json and the report. (A fake checkout runs the round; Ray is not
+    started: the soak only hands the rounds its address.)"""
+    import ray
+    build = tmp_path / "crashing-build"
+    (build / "cluster").mkdir(parents=True)
+    (build / "cluster" / "__main__.py").write_text(FAKE_GENERATE)
+    cfg = tmp_path / "arm.yaml"
+    cfg.write_text("kv: kv8\nsoak:\n  label: crashy\n  working_dir: crashing-build\n")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: type("Ctx", (), {"gcs_address": "127.0.0.1:1"})())
+    out = tmp_path / "soak"
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path), out=out, rounds=2)
+    summary, code = runner.run_soak(plan)
+    assert code == 1
+    assert summary["gate"]["failures"] == [
+        "failed rounds (round 0 A: exit status 3, round 1 A: exit status 3) = 2 > 0"]
+    assert summary["faults"]["lost_requests"] == 0 and summary["faults"]["failed_rounds"] == 2
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.failed.tolist() == [True, True] and rounds.returncode.tolist() == ["3", "3"]
+    assert len(pd.read_parquet(out / "requests.parquet")) == 8  # the served rows are kept
+    assert json.loads((out / "summary.json").read_text())["metrics"]["A"]["failed_rounds"] == 2
+    page = (out / "report.html").read_text()
+    assert "failed rounds: 2" in page and "exit status 3" in page and "rounds/r001_A.log" in page

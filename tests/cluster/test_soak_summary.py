@@ -52,13 +52,14 @@ def test_gate_names_the_failing_metric():
     requests, rounds = _tables()
     s = summarize(requests, rounds, greedy=True)
     gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=0, max_lost_requests=0,
-                           max_errors=1)
+                           max_errors=1, max_failed_rounds=0)
     fails = [str(f) for f in apply_gate(s, gate)]
     assert any(f.startswith("throughput ratio B/A (median) = 0.9 < 0.95") for f in fails)
     assert any(f.startswith("greedy parity breaks = 1 > 0") for f in fails)
     assert any("errors per round (B) = 2 > 1" in f for f in fails)
     lenient = SimpleNamespace(min_throughput_ratio=0.5, max_parity_breaks=1, max_lost_requests=0,
-                              max_errors=None)
+                              max_errors=None,
+                           max_failed_rounds=None)
     assert apply_gate(s, lenient) == []
 
 
@@ -87,11 +88,13 @@ def test_gate_fails_when_no_round_measured_the_throughput_ratio():
     s = summarize(requests, rounds, greedy=True)
     assert s["ratio_B_over_A"]["throughput_tok_s"]["median"] is None
     gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=None, max_lost_requests=None,
-                           max_errors=None)
+                           max_errors=None,
+                           max_failed_rounds=None)
     assert [str(f) for f in apply_gate(s, gate)] == [
         "throughput ratio B/A (median) = missing (no data to check against 0.95)"]
     off = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=None, max_lost_requests=None,
-                          max_errors=None)
+                          max_errors=None,
+                           max_failed_rounds=None)
     assert apply_gate(s, off) == []  # a disabled rule stays off
     one_arm = summarize(requests[requests.arm == "A"], rounds[rounds.arm == "A"], greedy=True)
     assert apply_gate(one_arm, gate) == []  # no B arm: no ratio to ask for
@@ -104,7 +107,31 @@ def test_gate_fails_greedy_parity_when_nothing_was_compared():
     s = summarize(requests, rounds, greedy=True)
     assert s["parity"]["compared"] == 0 and s["parity"]["breaks"] == 0
     gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=0, max_lost_requests=None,
-                           max_errors=None)
+                           max_errors=None,
+                           max_failed_rounds=None)
     assert [str(f) for f in apply_gate(s, gate)] == [
         "greedy parity breaks = missing (no data to check against 0)"]
     assert apply_gate(summarize(requests, rounds, greedy=False), gate) == []  # not greedy: no rule
+
+
+def test_a_failed_round_fails_the_gate_even_with_nothing_lost():
+    """B's run of round 1 crashed (exit 1) after every request was served, and A's round 2 was
+    killed (signal 9) after it had flushed all its rows: no lost request, no error row, and the
+    gate passed on both; the return code entered neither the summary nor the gate."""
+    requests, rounds = _tables()
+    rounds["returncode"] = ["0", "0", "0", "1", "-9", "0"]
+    rounds["failed"] = rounds.returncode != "0"
+    s = summarize(requests, rounds, greedy=True)
+    assert s["faults"]["failed_rounds"] == 2 and s["faults"]["lost_requests"] == 0
+    assert s["failed_rounds"] == [{"round": 1, "arm": "B", "returncode": "1"},
+                                  {"round": 2, "arm": "A", "returncode": "-9"}]
+    assert s["metrics"]["A"]["failed_rounds"] == 1 and s["metrics"]["B"]["failed_rounds"] == 1
+    gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=None, max_lost_requests=0,
+                           max_errors=None, max_failed_rounds=0)
+    assert [str(f) for f in apply_gate(s, gate)] == [
+        "failed rounds (round 1 B: exit status 1, round 2 A: killed by signal 9) = 2 > 0"]
+    assert apply_gate(s, SimpleNamespace(**{**vars(gate), "max_failed_rounds": 2})) == []
+    assert apply_gate(s, SimpleNamespace(**{**vars(gate), "max_failed_rounds": None})) == []
+    rounds["returncode"], rounds["failed"] = "0", False
+    ok = summarize(requests, rounds, greedy=True)
+    assert ok["faults"]["failed_rounds"] == 0 and apply_gate(ok, gate) == []
