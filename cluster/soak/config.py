@@ -7,7 +7,8 @@ section that only the soak reads.
       working_dir: ../other    # another checkout of kvfleet to run this arm from
       gate:                    # regression thresholds; the baseline's (--config) gate applies
         min_throughput_ratio: 0.95   # B/A median throughput below this fails
-        max_parity_breaks: 0         # greedy prompts whose A and B completions differ
+        max_parity_breaks: 0         # greedy lines whose A and B completions differ (a line
+                                     # with temperature > 0 in either arm is not compared)
         max_lost_requests: 0         # requests with no result (e.g. after a worker kill)
         max_errors: null             # error rows per round
         max_failed_rounds: 0         # rounds whose generate run exited non-zero or timed out
@@ -44,8 +45,10 @@ class SoakSection(_Frozen):
 class SoakArm:
     """One side of an A/B soak: where its job config lies, how to run it, its gate."""
 
-    def __init__(self, path: Path, job: dict, section: SoakSection, greedy: bool, key: str = "A"):
-        self.path, self.job, self.section, self.greedy, self.key = path, job, section, greedy, key
+    def __init__(self, path: Path, job: dict, section: SoakSection, temperature: float,
+                 key: str = "A"):
+        self.path, self.job, self.section, self.key = path, job, section, key
+        self.temperature = temperature  # the job's; a prompt line may set its own
         self.label = section.label or path.stem
         wd = section.working_dir
         if wd is not None and not wd.is_absolute():
@@ -83,4 +86,4 @@ def load_arm(path: str | Path, key: str = "A") -> SoakArm:
         if not (wd / "cluster" / "__main__.py").exists():
             raise UsageError(f"{path}: soak.working_dir {wd} is not a kvfleet checkout "
                              f"(no cluster/__main__.py)")
-    return SoakArm(path, data, section, greedy=cfg.sampling.temperature == 0, key=key)
+    return SoakArm(path, data, section, temperature=cfg.sampling.temperature, key=key)

@@ -113,6 +113,10 @@ def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame
     verdict = ("PASS" if gate.get("passed", True) else "FAIL: " + "; ".join(gate.get("failures", [])))
     breaks = parity[parity.first_diff.notna()] if not parity.empty else parity
     compared = int(parity.compared.sum()) if "compared" in parity else len(parity)  # (error pairs are not)
+    sampled = int(parity.sampled.sum()) if "sampled" in parity else 0
+    sampled_note = (f" {sampled} prompt-rounds sampled (temperature &gt; 0 in A or B, the line's "
+                    "own or its arm's) are not compared, token by token or otherwise: they count "
+                    "only in the lost requests, errors and timings." if sampled else "")
     if len(breaks):  # one row per prompt, one column per round: the first differing token
         table = (breaks.assign(first_diff=breaks.first_diff.astype(int))
                  .pivot(index="id", columns="round", values="first_diff")
@@ -128,7 +132,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 {''.join(parts)}
 <h2>greedy parity (A vs B)</h2>
 <p>{compared} prompt-rounds compared, {len(breaks)} differ; the table gives the index of the
-first completion token where B differs from A (greedy decoding), "same" where it does not.</p>
+first completion token where B differs from A (greedy decoding), "same" where it does not.{sampled_note}</p>
 {table.to_html() if len(breaks) else '<p>no differing completions</p>'}
 <h2>summary</h2><pre>{html.escape(json.dumps(summary, indent=1))}</pre>
 <script>

@@ -19,7 +19,7 @@ soak there would be resumed, not rerun).
 
 Output under DIR:
     rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
-    requests.parquet   one row per request and round
+    requests.parquet   one row per request and round (with the temperature it ran at)
     rounds.parquet     one row per round and arm (soak.summary.ROUND_METRICS + faults;
                        `failed`: the round's run exited non-zero or timed out, `returncode`)
     faults.parquet     one row per injected kill
@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from cluster.cli import UsageError
 from cluster.config import ENV_FIELDS, REPO_ROOT
-from cluster.requests import read_requests, result_key
+from cluster.requests import Request, read_requests, result_key
 from cluster.soak.config import SoakArm
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
@@ -76,12 +76,28 @@ def _free_port() -> int:
 JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 
-def _expected_keys(prompts: Path) -> set[str]:
-    """The result key (cluster/requests.py) of every input line, as generate reads them."""
+def _read_prompts(prompts: Path) -> tuple[set[str], dict[int, float]]:
+    """The result key (cluster/requests.py) of every input line, as generate reads them,
+    and the lines that set their own temperature (line -> temperature)."""
     try:
-        return {result_key(item.id, item.line) for item in read_requests(prompts)}
+        items = list(read_requests(prompts))
     except OSError as e:  # a directory, an unreadable file
         raise UsageError(f"--prompts {prompts}: {e.strerror}") from None
+    return ({result_key(item.id, item.line) for item in items},
+            {item.line: item.temperature for item in items
+             if isinstance(item, Request) and item.temperature is not None})
+
+
+def _expected_keys(prompts: Path) -> set[str]:
+    return _read_prompts(prompts)[0]
+
+
+def with_temperatures(req: pd.DataFrame, own: dict[int, float], default: float) -> pd.DataFrame:
+    """A round's rows with the temperature each line ran at in this arm: its own, else the
+    arm's job temperature (as cluster/jobs/generate.py resolves it)."""
+    if not len(req):
+        return req
+    return req.assign(temperature=[float(own.get(int(n), default)) for n in req.line])
 
 
 def _served_keys(req: pd.DataFrame) -> set[str]:
@@ -226,7 +242,7 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
         raise UsageError(f"--out {plan.out}: not a new or empty directory (an earlier soak's "
                          "rounds there would be resumed, not rerun); give another one")
-    expected = _expected_keys(plan.prompts)
+    expected, own_temperatures = _read_prompts(plan.prompts)
     (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
     ignored = sorted(JOB_ENV & set(os.environ))
     if ignored:
@@ -260,7 +276,7 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 meta = _run_round(plan, arm, rnd, address, timeout)
                 row, req = _round_rows(meta, expected)
                 rows.append(row)
-                reqs.append(req)
+                reqs.append(with_temperatures(req, own_temperatures, arm.temperature))
             if ratios and len(rows) >= 2 and rows[-1]["round"] == rows[-2]["round"] == rnd:
                 ratios.publish(rows[-2], rows[-1])
             rnd += 1
@@ -278,9 +294,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                        for r, a in zip(rounds["round"], rounds["arm"])] if len(rounds) else []
     requests = pd.concat([r for r in reqs if len(r)], ignore_index=True) if any(len(r) for r in reqs) \
         else pd.DataFrame(columns=["round", "arm", "id", "line", "completion_tokens",
-                                   "finish_reason", "ttft_s", "decode_tokens_per_s"])
-    greedy = all(a.greedy for a in plan.arms)
-    summary = summarize(requests, rounds, greedy=greedy)
+                                   "finish_reason", "ttft_s", "decode_tokens_per_s", "temperature"])
+    summary = summarize(requests, rounds)
     summary["labels"] = {a.key: a.label for a in plan.arms}
     summary["faults"]["kills"] = len(kills)
     fails = apply_gate(summary, plan.arms[0].section.gate)
@@ -291,6 +306,7 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     (plan.out / "summary.json").write_text(json.dumps(summary, indent=1))
     title = "soak: " + " vs ".join(a.label for a in plan.arms)
     write_report(plan.out / "report.html", summary, rounds, parity_table(requests)
-                 if len(plan.arms) > 1 else pd.DataFrame(columns=["round", "id", "first_diff"]),
+                 if len(plan.arms) > 1 else pd.DataFrame(columns=["round", "id", "first_diff",
+                                                                  "compared", "sampled"]),
                  faults, title)
     return summary, 0 if not fails else 1

@@ -4,13 +4,22 @@ and the regression gate.
 Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
 
     requests: one row per request and round: round, arm ("A"/"B"), id, line, ttft_s,
-              decode_tokens_per_s, completion_tokens (list), finish_reason, error, ...
+              decode_tokens_per_s, completion_tokens (list), finish_reason, error,
+              temperature (the line's own, else its arm's job temperature), ...
     rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, the
               fault counters kills, recoveries, lost_requests, and `failed` with the run's
               `returncode` ("0", another exit status, or "timeout").
 
 A ratio is B/A of the same round (rounds interleave A B A B, so a pair shares the machine's
 state); the summary gives the median, min and max of those per-round ratios.
+
+Parity is decided line by line: a line that is greedy (temperature 0) in both arms must give
+the same tokens in A and B; a line that samples in either arm (its own `temperature`, or its
+arm's job temperature when it gives none) is not compared token by token, nor on anything
+else (seeded sampling from two builds' slightly different distributions diverges at the
+first differing draw, and one prompt-round is no sample of a distribution): it counts only in
+the served, lost and error counts and the timings, and the parity summary says how many there
+were (`sampled`).
 """
 from __future__ import annotations
 
@@ -57,21 +66,24 @@ def first_difference(a, b) -> int | None:
 
 def parity_table(requests: pd.DataFrame) -> pd.DataFrame:
     """Per (round, input line): the first differing token index between A and B, or None
-    (keyed by line: every line has one row a round, error rows without an id too)."""
+    (keyed by line: every line has one row a round, error rows without an id too). A pair is
+    compared when both rows are served and the line is greedy in both arms; `sampled` marks
+    a pair that is not because either arm sampled it (temperature > 0)."""
     a = requests[requests.arm == "A"].set_index(["round", "line"])
     b = requests[requests.arm == "B"].set_index(["round", "line"])
     rows = []
     for key in a.index.intersection(b.index):
         ra, rb = a.loc[key], b.loc[key]
-        ok = ra.finish_reason != "error" and rb.finish_reason != "error"
+        sampled = bool(ra.temperature > 0 or rb.temperature > 0)
+        ok = ra.finish_reason != "error" and rb.finish_reason != "error" and not sampled
         rows.append({"round": key[0], "id": ra.id,
                      "first_diff": first_difference(ra.completion_tokens, rb.completion_tokens)
                      if ok else None,
-                     "compared": bool(ok)})
-    return pd.DataFrame(rows, columns=["round", "id", "first_diff", "compared"])
+                     "compared": bool(ok), "sampled": sampled})
+    return pd.DataFrame(rows, columns=["round", "id", "first_diff", "compared", "sampled"])
 
 
-def summarize(requests: pd.DataFrame, rounds: pd.DataFrame, greedy: bool) -> dict:
+def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
     arms = sorted(rounds.arm.unique())
     out: dict = {"arms": arms, "rounds": int(rounds["round"].nunique()), "metrics": {}}
     for arm in arms:
@@ -93,8 +105,9 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame, greedy: bool) -> dic
         out["ratio_B_over_A"] = ratios
         par = parity_table(requests)
         diffs = par[par.compared & par.first_diff.notna()]
-        out["parity"] = {"greedy": greedy, "compared": int(par.compared.sum()),
-                         "breaks": int(len(diffs)),
+        # greedy: some line is greedy in both arms, so parity applies (and must be measured)
+        out["parity"] = {"greedy": bool((~par.sampled).any()), "compared": int(par.compared.sum()),
+                         "sampled": int(par.sampled.sum()), "breaks": int(len(diffs)),
                          "first_diff_min": None if diffs.empty else int(diffs.first_diff.min())}
     out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "recoveries", "lost_requests")
                      if k in rounds}

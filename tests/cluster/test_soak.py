@@ -49,6 +49,7 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     assert ((ratio > 0.2) & (ratio < 0.3)).all()
     req = pd.read_parquet(out / "requests.parquet")
     assert len(req) == 2 * 2 * 6 and set(req.id) == {f"q{i}" for i in range(6)}
+    assert (req.temperature == 0.0).all()  # the temperature each line ran at (parity is per line)
     s = json.loads((out / "summary.json").read_text())
     assert s["rounds"] == 2 and s["arms"] == ["A", "B"]
     for arm in "AB":
@@ -57,6 +58,7 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     r = s["ratio_B_over_A"]["kv_bytes"]
     assert 0.2 < r["median"] < 0.3
     assert s["parity"]["compared"] == 12 and s["parity"]["greedy"] is True
+    assert s["parity"]["sampled"] == 0
     assert s["faults"] == {"kills": 0, "recoveries": 0, "lost_requests": 0, "failed_rounds": 0}
     assert s["failed_rounds"] == [] and rounds.failed.tolist() == [False] * 4
     assert s["gate"]["passed"] is True

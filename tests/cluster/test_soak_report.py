@@ -21,10 +21,11 @@ def test_report_loads_in_chromium_with_its_plots(tmp_path):
         "recoveries": [0, 0, 1, 0, 0, 0, 0, 0], "lost_requests": 0, "errors": 0})
     requests = pd.DataFrame([{"round": r, "arm": a, "id": f"p{i}", "line": i + 1,
                               "completion_tokens": [1, 2, i + (a == "B")],
-                              "finish_reason": "length", "ttft_s": 0.1, "decode_tokens_per_s": 12.0}
+                              "finish_reason": "length", "ttft_s": 0.1, "decode_tokens_per_s": 12.0,
+                              "temperature": 0.0}
                              for r in range(n) for a in "AB" for i in range(3)])
     faults = pd.DataFrame({"time_s": [1007.0], "worker": ["w0"]})
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     s["gate"] = {"passed": False, "failures": ["greedy parity breaks = 12 > 0"]}
     out = tmp_path / "report.html"
     write_report(out, s, rounds, parity_table(requests), faults, "soak: f32 vs kv8")
@@ -49,9 +50,9 @@ def test_report_counts_only_the_compared_prompt_rounds(tmp_path):
     requests = pd.DataFrame([{"round": 0, "arm": a, "id": f"p{i}", "line": i + 1,
                               "completion_tokens": [1, 2],
                               "finish_reason": "error" if (a == "B" and i) else "length",
-                              "ttft_s": 0.1, "decode_tokens_per_s": 10.0}
+                              "ttft_s": 0.1, "decode_tokens_per_s": 10.0, "temperature": 0.0}
                              for a in "AB" for i in range(3)])
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     out = tmp_path / "report.html"
     write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
     assert s["parity"]["compared"] == 1
@@ -70,9 +71,10 @@ def test_report_lists_the_failed_rounds(tmp_path):
                            "returncode": ["0", "-9", "0", "timeout"]})
     rounds["failed"] = rounds.returncode != "0"
     requests = pd.DataFrame([{"round": r, "arm": a, "id": "p0", "line": 1, "completion_tokens": [1],
-                              "finish_reason": "length", "ttft_s": 0.1, "decode_tokens_per_s": 10.0}
+                              "finish_reason": "length", "ttft_s": 0.1, "decode_tokens_per_s": 10.0,
+                              "temperature": 0.0}
                              for r in range(2) for a in "AB"])
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     out = tmp_path / "report.html"
     write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
     page = out.read_text()
@@ -80,6 +82,25 @@ def test_report_lists_the_failed_rounds(tmp_path):
     assert "<td>0</td><td>B</td><td>killed by signal 9</td><td>rounds/r000_B.log</td>" in page
     assert "<td>1</td><td>B</td><td>timed out</td>" in page
     rounds["failed"], rounds["returncode"] = False, "0"
-    write_report(out, summarize(requests, rounds, greedy=True), rounds, parity_table(requests),
+    write_report(out, summarize(requests, rounds), rounds, parity_table(requests),
                  pd.DataFrame(columns=["time_s"]), "t")
     assert "none: every round's run exited 0" in out.read_text()
+
+
+def test_report_says_sampled_lines_are_not_compared(tmp_path):
+    rounds = pd.DataFrame({"round": [0, 0], "arm": ["A", "B"], "start_s": [0.0, 2.0],
+                           "end_s": [1.0, 3.0], "throughput_tok_s": [100.0, 90.0],
+                           "ttft_median_s": 0.1, "decode_tok_s_median": 10.0, "rss_bytes": 1e9,
+                           "kv_bytes": 1e6, "errors": 0, "kills": 0, "recoveries": 0,
+                           "lost_requests": 0})
+    requests = pd.DataFrame([{"round": 0, "arm": a, "id": f"p{i}", "line": i + 1,
+                              "completion_tokens": [1, 2 + (a == "B")], "finish_reason": "length",
+                              "ttft_s": 0.1, "decode_tokens_per_s": 10.0,
+                              "temperature": 0.7 if i else 0.0} for a in "AB" for i in range(3)])
+    out = tmp_path / "report.html"
+    write_report(out, summarize(requests, rounds), rounds, parity_table(requests),
+                 pd.DataFrame(columns=["time_s"]), "t")
+    page = out.read_text()
+    assert "<p>1 prompt-rounds compared, 1 differ;" in page
+    assert "2 prompt-rounds sampled (temperature &gt; 0 in A or B" in page
+    assert "are not compared, token by token or otherwise" in page

@@ -218,3 +218,21 @@ def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
     assert json.loads((out / "summary.json").read_text())["metrics"]["A"]["failed_rounds"] == 2
     page = (out / "report.html").read_text()
     assert "failed rounds: 2" in page and "exit status 3" in page and "rounds/r001_A.log" in page
+
+
+def test_rounds_rows_carry_the_temperature_each_line_ran_at(tmp_path):
+    """Parity needs each line's temperature: its own where the line sets one (0 included),
+    else the arm's job temperature; input-error lines get the arm's."""
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join([json.dumps({"id": "g", "prompt": "x"}),
+                            json.dumps({"id": "s", "prompt": "x", "temperature": 0.8}),
+                            json.dumps({"id": "z", "prompt": "x", "temperature": 0}),
+                            json.dumps({"id": "bad", "prompt": "x", "temperature": -1})]) + "\n")
+    keys, own = runner._read_prompts(p)
+    assert keys == {"g", "s", "z", "bad"} and own == {2: 0.8, 3: 0.0}
+    req = pd.DataFrame({"id": ["g", "s", "z", "bad"], "line": [1, 2, 3, 4]})
+    assert runner.with_temperatures(req, own, 0.0).temperature.tolist() == [0.0, 0.8, 0.0, 0.0]
+    assert runner.with_temperatures(req, own, 0.6).temperature.tolist() == [0.6, 0.8, 0.0, 0.6]
+    cfg = tmp_path / "hot.yaml"
+    cfg.write_text("sampling: {temperature: 0.6}\n")
+    assert load_arm(cfg).temperature == 0.6

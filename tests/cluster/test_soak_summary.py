@@ -31,18 +31,20 @@ def _tables():
                     toks = [1, 2, 7, 4]
                 req.append({"round": r, "arm": arm, "id": f"p{i}", "line": i + 1,
                             "completion_tokens": toks,
-                            "finish_reason": "length", "ttft_s": 0.1 + i, "decode_tokens_per_s": 10.0})
+                            "finish_reason": "length", "ttft_s": 0.1 + i, "decode_tokens_per_s": 10.0,
+                            "temperature": 0.0})
     return pd.DataFrame(req), rounds
 
 
 def test_summary_ratios_pair_by_pair_and_parity():
     requests, rounds = _tables()
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     # ratios per round: 0.9, 0.5, 1.05 -> median 0.9 (not 234/300 of the totals)
     t = s["ratio_B_over_A"]["throughput_tok_s"]
     assert np.isclose(t["median"], 0.9) and np.isclose(t["min"], 0.5) and np.isclose(t["max"], 1.05)
     assert s["metrics"]["A"]["throughput_tok_s"]["median"] == 100.0
-    assert s["parity"] == {"greedy": True, "compared": 6, "breaks": 1, "first_diff_min": 2}
+    assert s["parity"] == {"greedy": True, "compared": 6, "sampled": 0, "breaks": 1,
+                           "first_diff_min": 2}
     assert s["faults"] == {"kills": 1, "recoveries": 1, "lost_requests": 0}
     par = parity_table(requests)
     assert par.loc[(par["round"] == 1) & (par.id == "p1"), "first_diff"].item() == 2
@@ -50,7 +52,7 @@ def test_summary_ratios_pair_by_pair_and_parity():
 
 def test_gate_names_the_failing_metric():
     requests, rounds = _tables()
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=0, max_lost_requests=0,
                            max_errors=1, max_failed_rounds=0)
     fails = [str(f) for f in apply_gate(s, gate)]
@@ -69,11 +71,11 @@ def test_parity_keys_lines_so_error_rows_without_an_id_do_not_collide():
     rows = []
     for arm in "AB":
         rows += [{"round": 0, "arm": arm, "id": "p0", "line": 1, "completion_tokens": [1, 2],
-                  "finish_reason": "length"},
+                  "finish_reason": "length", "temperature": 0.0},
                  {"round": 0, "arm": arm, "id": None, "line": 2, "completion_tokens": [],
-                  "finish_reason": "error"},
+                  "finish_reason": "error", "temperature": 0.0},
                  {"round": 0, "arm": arm, "id": None, "line": 3, "completion_tokens": [],
-                  "finish_reason": "error"}]
+                  "finish_reason": "error", "temperature": 0.0}]
     rows[3]["completion_tokens"] = [1, 5]  # B's p0 differs at token 1
     par = parity_table(pd.DataFrame(rows))
     assert len(par) == 3 and int(par.compared.sum()) == 1
@@ -85,7 +87,7 @@ def test_gate_fails_when_no_round_measured_the_throughput_ratio():
     so there is no ratio. With lost requests tolerated the gate passed on no data at all."""
     requests, rounds = _tables()
     rounds.loc[rounds.arm == "B", "throughput_tok_s"] = None
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     assert s["ratio_B_over_A"]["throughput_tok_s"]["median"] is None
     gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=None, max_lost_requests=None,
                            max_errors=None,
@@ -96,7 +98,7 @@ def test_gate_fails_when_no_round_measured_the_throughput_ratio():
                           max_errors=None,
                            max_failed_rounds=None)
     assert apply_gate(s, off) == []  # a disabled rule stays off
-    one_arm = summarize(requests[requests.arm == "A"], rounds[rounds.arm == "A"], greedy=True)
+    one_arm = summarize(requests[requests.arm == "A"], rounds[rounds.arm == "A"])
     assert apply_gate(one_arm, gate) == []  # no B arm: no ratio to ask for
 
 
@@ -104,14 +106,15 @@ def test_gate_fails_greedy_parity_when_nothing_was_compared():
     """Every B row an error: no prompt-round compared, 0 breaks; the parity rule passed."""
     requests, rounds = _tables()
     requests.loc[requests.arm == "B", "finish_reason"] = "error"
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     assert s["parity"]["compared"] == 0 and s["parity"]["breaks"] == 0
     gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=0, max_lost_requests=None,
                            max_errors=None,
                            max_failed_rounds=None)
     assert [str(f) for f in apply_gate(s, gate)] == [
         "greedy parity breaks = missing (no data to check against 0)"]
-    assert apply_gate(summarize(requests, rounds, greedy=False), gate) == []  # not greedy: no rule
+    sampled = requests.assign(temperature=0.7)
+    assert apply_gate(summarize(sampled, rounds), gate) == []  # nothing greedy: no rule
 
 
 def test_a_failed_round_fails_the_gate_even_with_nothing_lost():
@@ -121,7 +124,7 @@ def test_a_failed_round_fails_the_gate_even_with_nothing_lost():
     requests, rounds = _tables()
     rounds["returncode"] = ["0", "0", "0", "1", "-9", "0"]
     rounds["failed"] = rounds.returncode != "0"
-    s = summarize(requests, rounds, greedy=True)
+    s = summarize(requests, rounds)
     assert s["faults"]["failed_rounds"] == 2 and s["faults"]["lost_requests"] == 0
     assert s["failed_rounds"] == [{"round": 1, "arm": "B", "returncode": "1"},
                                   {"round": 2, "arm": "A", "returncode": "-9"}]
@@ -133,5 +136,34 @@ def test_a_failed_round_fails_the_gate_even_with_nothing_lost():
     assert apply_gate(s, SimpleNamespace(**{**vars(gate), "max_failed_rounds": 2})) == []
     assert apply_gate(s, SimpleNamespace(**{**vars(gate), "max_failed_rounds": None})) == []
     rounds["returncode"], rounds["failed"] = "0", False
-    ok = summarize(requests, rounds, greedy=True)
+    ok = summarize(requests, rounds)
     assert ok["faults"]["failed_rounds"] == 0 and apply_gate(ok, gate) == []
+
+
+def test_parity_follows_each_lines_own_temperature():
+    """The job's temperature decided parity for every line: a greedy job's lines that set
+    temperature 0.8 were compared token for token (their draws differ between builds: false
+    breaks, a failed gate), and a sampled job's lines that set 0 were never compared."""
+    requests, rounds = _tables()
+    # p1 samples (its own temperature in both arms); p1's B tokens differ in round 1
+    requests.loc[requests.id == "p1", "temperature"] = 0.8
+    s = summarize(requests, rounds)
+    assert s["parity"] == {"greedy": True, "compared": 3, "sampled": 3, "breaks": 0,
+                           "first_diff_min": None}
+    par = parity_table(requests)
+    assert par[par.id == "p1"].sampled.all() and not par[par.id == "p1"].compared.any()
+    assert par[par.id == "p1"].first_diff.isna().all()
+    gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=0, max_lost_requests=None,
+                           max_errors=None, max_failed_rounds=None)
+    assert apply_gate(s, gate) == []
+    # sampled in one arm only (B's job temperature applies to a line without its own): not compared
+    requests.loc[requests.id == "p1", "temperature"] = 0.0
+    requests.loc[(requests.id == "p1") & (requests.arm == "B"), "temperature"] = 0.5
+    assert summarize(requests, rounds)["parity"]["sampled"] == 3
+    # a sampled job whose greedy lines (temperature 0 on the line) break parity: they are compared
+    requests["temperature"] = 0.9
+    requests.loc[requests.id == "p1", "temperature"] = 0.0
+    s = summarize(requests, rounds)
+    assert s["parity"] == {"greedy": True, "compared": 3, "sampled": 3, "breaks": 1,
+                           "first_diff_min": 2}
+    assert [str(f) for f in apply_gate(s, gate)] == ["greedy parity breaks = 1 > 0"]
