@@ -28,6 +28,7 @@ from cluster.config import JobConfig
 from cluster.metrics import JobMetrics
 from cluster.placement import Placement, even_rooms, fleet_placements, split_owners
 from workers.actor import LocalGroup, StepBatch, StepOutput
+from workers.collect import collect_steps
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
 
 log = logging.getLogger(__name__)
@@ -268,32 +269,3 @@ def _why(exc: BaseException | None) -> str:
     lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
-
-def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float,
-                  silent=lambda workers: {i: "no ping" for i in workers}) -> dict[int, Any]:
-    """ray.get of every ref (an error as its value). After the first error the rest have
-    grace_s seconds; then `silent(workers)` (the ones that do not answer a ping) get a
-    TimeoutError, and the ones that answer are waited for."""
-    out: dict[int, Any] = {}
-    pending = dict(refs)
-    deadline = None
-    while pending:
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=timeout)
-        if not ready:
-            hung = silent(list(pending))
-            for i in hung:
-                pending.pop(i)
-                out[i] = TimeoutError(f"worker {names[i]}: its step still runs {grace_s:g} s "
-                                      f"after another worker's step failed, and it does not "
-                                      f"answer a ping ({hung[i]})")
-            deadline = None  # the ones that answered: slow, not hung
-            continue
-        for i in [i for i, r in pending.items() if r in ready]:
-            try:
-                out[i] = ray.get(pending.pop(i))
-            except ray.exceptions.RayError as e:
-                out[i] = e
-                if deadline is None:
-                    deadline = time.monotonic() + grace_s
-    return out

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from workers.collect import StepHung, collect_steps
 from workers.memstats import rss_bytes
 from workers.persist import SlotPersist
 from workers.sampling import sample_rows
@@ -195,16 +196,25 @@ class LocalGroup:
 
 
 class RayGroup:
-    """Worker actors; a step submits to all of them first and then waits for all."""
+    """Worker actors; a step submits to all of them first and then waits for all.
+
+    The workers are independent and run one call at a time (a ping would wait behind the
+    step), so a step still running `grace_s` after the first of its peers' steps ended, or
+    `step_timeout_s` after it began, is hung whatever it is doing (workers/collect.py):
+    its actor is killed and it counts as dead, so the scheduler re-runs its sequences on a
+    worker that is left (or fails them where none is)."""
 
     def __init__(self, placements: list[tuple[WorkerSpec, dict[str, Any]]],
-                 start_timeout_s: float = 600.0):
+                 start_timeout_s: float = 600.0, grace_s: float = 60.0,
+                 step_timeout_s: float | None = 300.0):
         """placements: (spec, Ray actor options: num_cpus, resources, label_selector...)."""
         import ray
         actor_cls = ray.remote(Worker)
         self.actors = [actor_cls.options(**opts).remote(spec) for spec, opts in placements]
         self.names = [spec.name for spec, _ in placements]
         self.capacities = [spec.slots for spec, _ in placements]
+        self.grace_s, self.step_timeout_s = grace_s, step_timeout_s
+        self.hung: set[int] = set()  # workers killed because a step of theirs hung
         refs = [a.info.remote() for a in self.actors]
         self.info: list[dict | None] = []
         for name, ref in zip(self.names, refs):  # waits for the model loads
@@ -225,17 +235,18 @@ class RayGroup:
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
-        out: dict[int, StepOutput | Exception] = {}
-        for i, ref in refs.items():
-            try:
-                out[i] = ray.get(ref)
-            except ray.exceptions.RayError as e:  # handed to the scheduler per worker
-                out[i] = e
+        out = collect_steps(ray, refs, {i: self.names[i] for i in refs}, self.grace_s,
+                            after_any=True, timeout_s=self.step_timeout_s)
+        for i, r in out.items():
+            if isinstance(r, StepHung):
+                log.error("%s; killing it", r)
+                ray.kill(self.actors[i], no_restart=True)  # a hung one must not come back
+                self.hung.add(i)
         return out
 
     def is_dead(self, worker: int, exc: BaseException) -> bool:
         import ray
-        return isinstance(exc, ray.exceptions.RayActorError)
+        return worker in self.hung or isinstance(exc, ray.exceptions.RayActorError)
 
     def close(self) -> None:
         """Collects the live workers' stats (final_stats), then kills the actors."""

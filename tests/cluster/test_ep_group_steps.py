@@ -1,11 +1,12 @@
-"""ShardedGroup's step collection on a small local Ray: once a worker's step failed, a step
-still running after the grace is pinged; one that does not answer counts as failed (it
-held the group forever), one that answers is slow and is waited for (it was failed too)."""
+"""ShardedGroup's step collection (workers/collect.py) on a small local Ray: once a worker's
+step failed, a step still running after the grace is pinged; one that does not answer
+counts as failed (it held the group forever), one that answers is slow and is waited for
+(it was failed too)."""
 import time
 
 import pytest
 
-from cluster.ep_group import collect_steps
+from workers.collect import collect_steps
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,57 @@
+"""Waiting for one lockstep step of several worker actors without letting a hung one hold
+the group forever (cluster/ep_group.py ShardedGroup, workers/actor.py RayGroup).
+
+`collect_steps` gets every step's result (an error as its value). A grace period starts
+at a trigger: the first failed step, or with `after_any` the first step to end at all, or
+`timeout_s` after the steps were submitted, whichever comes first. When it runs out, the
+steps still running are checked with `silent` (a ping); those that do not answer get a
+StepHung as their result, and the ones that answer are only slow and are waited for.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+class StepHung(TimeoutError):
+    """The result of a step that outlived the grace and whose worker did not answer."""
+
+
+def no_ping(workers) -> dict[int, str]:
+    """`silent` for actors that run one call at a time: a ping would queue behind the step
+    itself, so every step still running counts as hung."""
+    return {i: "its step still runs" for i in workers}
+
+
+def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float,
+                  silent: Callable[[list[int]], dict[int, str]] = no_ping, *,
+                  after_any: bool = False, timeout_s: float | None = None) -> dict[int, Any]:
+    """ray.get of every ref, under the grace rule of the module docstring."""
+    out: dict[int, Any] = {}
+    pending = dict(refs)
+    t0 = time.monotonic()
+    deadline = None if timeout_s is None else t0 + timeout_s
+    while pending:
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=timeout)
+        if not ready:
+            hung = silent(list(pending))
+            for i in hung:
+                pending.pop(i)
+                out[i] = StepHung(f"worker {names[i]}: its step still runs after "
+                                  f"{time.monotonic() - t0:.0f} s (grace {grace_s:g} s after "
+                                  f"{'another worker' if after_any else 'a failed'} step "
+                                  f"ended, step timeout {timeout_s}) and it does not answer "
+                                  f"a ping ({hung[i]})")
+            deadline = None  # the ones that answered: slow, not hung
+            continue
+        for i in [i for i, r in pending.items() if r in ready]:
+            try:
+                out[i] = ray.get(pending.pop(i))
+                failed = False
+            except ray.exceptions.RayError as e:
+                out[i], failed = e, True
+            if (failed or after_any) and pending:
+                end = time.monotonic() + grace_s
+                deadline = end if deadline is None else min(deadline, end)
+    return out
