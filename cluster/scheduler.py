@@ -8,8 +8,12 @@ One iteration of `Scheduler.run`:
      prompt tokens per worker and step);
   3. step every worker at once (`group.step_all`) and wait for all of them;
   4. append the sampled tokens; a sequence that hit EOS, a stop string, its max_tokens or
-     the context ends, its Result goes out and its slot is released with the worker's next
-     batch -- so the slot is refilled in the very next step.
+     the context ends, and its slot is released by the end of this iteration: the worker
+     frees it (saving its KV, unlocking its cache file) at the end of the step itself when
+     the end is EOS or a length (`StepBatch.last` / `end_ids`: no extra call); the ends only
+     the scheduler sees (stop strings) and failed sequences go in one release-only step.
+     Then the iteration's Results go out, so a caller that gets a Result finds its slot
+     free and its cache file unlocked, and the slot is refilled in the very next step.
 """
 from __future__ import annotations
 
@@ -93,6 +97,7 @@ class Scheduler:
         self.group = group
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self.eos = frozenset(int(e) for e in eos_ids)
+        self._end_ids = tuple(sorted(self.eos))
         self.decode, self.tier = decode, tier
         self.metrics = metrics or JobMetrics(enabled=False)
         self.clock = clock
@@ -101,6 +106,7 @@ class Scheduler:
         self._release: list[list[int]] = [[] for _ in group.names]
         self._discard: list[list[int]] = [[] for _ in group.names]  # of them: KV not saved
         self._dead: set[int] = set()
+        self._results: list[Result] = []  # this iteration's, handed out once released
         self._ttft_lines: set[int] = set()  # requests whose first token the histogram has
 
     def run(self, items: Iterable[Prepared], on_result: Callable[[Result], None],
@@ -117,20 +123,22 @@ class Scheduler:
             self.metrics.queue(len(waiting), len(active))
             if not active:
                 if waiting:  # no live worker has a slot (e.g. the last died while starting)
-                    self._fail_all(waiting, on_result)
+                    self._fail_all(waiting)
+                    self._emit(on_result)
                 break
             batches, sampled, n_prompt = self._build(active)
             t0 = self.clock()
             outs = self.group.step_all(batches)
             failed = {w: e for w, e in outs.items() if isinstance(e, BaseException)}
             if failed:
-                self._recover(failed, batches, waiting, active, on_result)
+                self._recover(failed, batches, waiting, active)
                 outs = {w: o for w, o in outs.items() if w not in failed}
             t1 = self.clock()
-            n_tok = self._apply(outs, sampled, active, on_result)
+            n_tok = self._apply(outs, sampled, active)
+            self._flush_releases(waiting, active)
+            self._emit(on_result)
             wall = self.clock() - t_iter
             self._account(outs, wall, wall - (t1 - t0), n_tok, n_prompt)
-        self._flush_releases()
         # the gauges say what is in flight now (nothing), not what the last step had
         self.metrics.queue(len(waiting), 0)
         self.metrics.step(0, 0.0)
@@ -138,7 +146,7 @@ class Scheduler:
 
     # -- failures -----------------------------------------------------------------------
     def _recover(self, failed: dict[int, BaseException], batches: dict[int, StepBatch],
-                 waiting: deque, active: list[_Seq], on_result) -> None:
+                 waiting: deque, active: list[_Seq]) -> None:
         """A dead worker's sequences go back to the front of the queue and are re-run from
         their prompts elsewhere (sampling is stateless per (seed, token index), so the
         re-run gives the same tokens). A live worker whose step raised fails only the
@@ -167,17 +175,23 @@ class Scheduler:
                 log.error("worker %s: step failed for %d sequences: %r", self.group.names[w],
                           len(mine), exc)
                 for s in mine:  # (a failed request leaves its saved conversation whole)
-                    on_result(self._result(s, "error", f"worker step failed: {exc!r}"))
+                    self._results.append(self._result(s, "error", f"worker step failed: {exc!r}"))
                     self._release[w].append(s.key)
                     self._discard[w].append(s.key)
         if len(self._dead) == len(self.group.names):
-            self._fail_all(waiting, on_result)
+            self._fail_all(waiting)
 
-    def _fail_all(self, waiting: deque, on_result) -> None:
+    def _fail_all(self, waiting: deque) -> None:
         log.error("no live worker left; %d requests fail", len(waiting))
         while waiting:
             item = waiting.popleft()
-            on_result(self._result(_Seq(-1, item, 0, self.clock()), "error", "no live worker left"))
+            self._results.append(self._result(_Seq(-1, item, 0, self.clock()), "error",
+                                              "no live worker left"))
+
+    def _emit(self, on_result) -> None:
+        results, self._results = self._results, []
+        for r in results:
+            on_result(r)
 
     # -- admission ----------------------------------------------------------------------
     def _admit(self, waiting: deque, active: list[_Seq]) -> None:
@@ -239,9 +253,8 @@ class Scheduler:
                 top_p=np.array([s.item.top_p for s in seqs], np.float32),
                 seed=np.array([s.item.seed for s in seqs], np.uint64),
                 counter=np.array([len(s.out) for s in seqs], np.uint64),
-                release=tuple(self._release[w]), discard=tuple(self._discard[w]),
+                last=np.array([self._last(s) for s in seqs], bool), end_ids=self._end_ids,
                 attach=attach.get(w, {}))
-            self._release[w], self._discard[w] = [], []
         return batches, sampled, n_prompt
 
     @staticmethod
@@ -252,8 +265,7 @@ class Scheduler:
             sampled[s.worker].append(s)
 
     # -- results ------------------------------------------------------------------------
-    def _apply(self, outs: dict[int, StepOutput], sampled, active: list[_Seq],
-               on_result) -> int:
+    def _apply(self, outs: dict[int, StepOutput], sampled, active: list[_Seq]) -> int:
         now = self.clock()
         finished: list[_Seq] = []
         n_tok = 0
@@ -272,14 +284,21 @@ class Scheduler:
                         self.metrics.ttft(now - s.t_admit)
                 if int(tok) not in self.eos:  # (the rate's last token: EOS is not in out)
                     s.t_last = now
+                freed = int(tok) in self.eos or self._last(s)  # by the worker (StepBatch.last)
                 reason = self._finish_reason(s, int(tok))
                 if reason is not None:
-                    on_result(self._result(s, reason))
+                    self._results.append(self._result(s, reason))
                     finished.append(s)
+                    if not freed:  # a stop string
+                        self._release[s.worker].append(s.key)
         for s in finished:
             active.remove(s)
-            self._release[s.worker].append(s.key)
         return n_tok
+
+    def _last(self, s: _Seq) -> bool:
+        """The token s samples next ends it whatever it is (_finish_reason's length rules)."""
+        n = len(s.out) + 1
+        return n >= s.item.max_tokens or len(s.item.prompt_ids) + n >= self.max_context
 
     def _finish_reason(self, s: _Seq, tok: int) -> str | None:
         if tok in self.eos:
@@ -333,7 +352,10 @@ class Scheduler:
             for path, n in o.fallbacks.items():
                 self.metrics.fallback(path, n)
 
-    def _flush_releases(self) -> None:
+    def _flush_releases(self, waiting: deque, active: list[_Seq]) -> None:
+        """One release-only step for the slots still to free (stop strings, failed
+        sequences); none in the common case. A worker found dead there is recovered as in a
+        step: its other sequences are re-queued."""
         empty = np.zeros(0, np.int32)
         batches = {w: StepBatch(keys=np.zeros(0, np.int64), tokens=empty, positions=empty,
                                 sample_at=empty, temperature=np.zeros(0, np.float32),
@@ -341,21 +363,22 @@ class Scheduler:
                                 counter=np.zeros(0, np.uint64), release=tuple(keys),
                                 discard=tuple(self._discard[w]))
                    for w, keys in enumerate(self._release) if keys and w not in self._dead}
+        self._release = [[] for _ in self.group.names]
+        self._discard = [[] for _ in self.group.names]
         if batches:
+            dead = {}
             for w, o in self.group.step_all(batches).items():
                 if isinstance(o, BaseException):
                     log.warning("worker %s: releasing slots failed: %r", self.group.names[w], o)
-                    if self.group.is_dead(w, o):  # (its results are out; its last saves lost)
-                        self._dead.add(w)
-                        self.stats.worker_deaths += 1
-                        self.metrics.worker_died(0)
+                    if self.group.is_dead(w, o):  # (the released ones' last saves are lost)
+                        dead[w] = o
                     continue
                 for k, n in o.cache_events.items():  # the last sequences' KV saves
                     self.stats.kv_cache[k] = self.stats.kv_cache.get(k, 0) + n
                     self.metrics.kv_cache(k, n)
                 self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
-        self._release = [[] for _ in self.group.names]
-        self._discard = [[] for _ in self.group.names]
+            if dead:
+                self._recover(dead, {}, waiting, active)
 
 
 def _stop_at(text: str, stops: tuple[str, ...]) -> int | None:

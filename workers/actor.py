@@ -50,6 +50,11 @@ class StepBatch:
     counter: np.ndarray  # uint64[M] index of the token being chosen within its sequence
     release: tuple[int, ...] = ()  # keys whose slots are freed before this step
     discard: tuple[int, ...] = ()  # of them, keys of failed sequences: KV not saved
+    # the sequence of a sampled row ends with this step, and its slot is freed (KV saved) at
+    # the step's end, when the row is `last` (max_tokens, the context end) or samples one of
+    # `end_ids` (EOS); the ends the scheduler alone sees (stop strings) go in a later release
+    last: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # bool[M] or empty
+    end_ids: tuple[int, ...] = ()
     # key -> (cache name, int32 prompt ids): resume the sequence from its saved KV before
     # this step, which carries its first prompt chunk (workers/persist.py)
     attach: dict[int, tuple[str, np.ndarray]] = field(default_factory=dict)
@@ -103,18 +108,7 @@ class Worker:
 
     def step(self, batch: StepBatch) -> StepOutput:
         t0 = time.perf_counter()
-        failed = None
-        for key in batch.release:  # a key whose first step failed before it got a slot
-            slot = self._slot.pop(int(key), None)  # has nothing to free
-            if slot is not None:
-                try:
-                    self.persist.release(int(key), self.pool, slot,  # saves its KV first
-                                         save=key not in batch.discard)
-                except Exception as e:  # the slot is freed all the same (and the rest
-                    failed = failed or e  # released), then the step fails
-                self.pool.free_slot(slot)
-        if failed is not None:
-            raise failed
+        self._free(batch.release, batch.discard)
         for key in np.unique(batch.keys).tolist():
             if key not in self._slot:
                 self._slot[key] = self.pool.alloc_slot()
@@ -134,10 +128,31 @@ class Worker:
             self.persist.observe(batch)
             next_tokens = sample_rows(logits, batch.temperature, batch.top_p,
                                       batch.seed, batch.counter)
+            ended = np.isin(next_tokens, batch.end_ids)
+            if len(batch.last):
+                ended |= batch.last
+            if ended.any():  # their files unlocked before the scheduler hands out the results
+                self._free(np.asarray(batch.keys)[np.asarray(batch.sample_at)[ended]].tolist())
         return StepOutput(next_tokens=next_tokens, forward_s=forward_s,
                           step_s=time.perf_counter() - t0, kv_bytes=int(self.pool.bytes_in_use()),
                           fallbacks=self._drain_fallbacks(), loaded=loaded,
                           cache_events=self.persist.drain_events())
+
+    def _free(self, keys, discard=()) -> None:
+        """Free the keys' slots, saving their KV first unless discarded. A key whose first
+        step failed before it got a slot has nothing to free. A save that raises: the slot
+        is freed all the same (and the rest released), then the step fails."""
+        failed = None
+        for key in keys:
+            slot = self._slot.pop(int(key), None)
+            if slot is not None:
+                try:
+                    self.persist.release(int(key), self.pool, slot, save=key not in discard)
+                except Exception as e:
+                    failed = failed or e
+                self.pool.free_slot(slot)
+        if failed is not None:
+            raise failed
 
     def _drain_fallbacks(self) -> dict[str, int]:
         """Counts since the last step of native paths that fell back to a slower one: what

@@ -441,3 +441,44 @@ def test_every_cache_event_starts_on_the_metrics_endpoint():
     counted = set(re.findall(r'self\.events\["(\w+)"\]', src))
     counted |= set(re.findall(r'self\.events\["(\w+)" if \w+ else "(\w+)"\]', src)[0])
     assert counted and counted <= set(CACHE_EVENTS), sorted(counted - set(CACHE_EVENTS))
+
+
+def test_a_result_comes_after_its_cache_file_is_saved_and_unlocked(tiny, tmp_path):
+    """The caller that gets a Result can open the request's cache file at once (the next
+    turn of the conversation, a shutdown): its KV is saved and its lock let go by the end
+    of the step it finished in, at a length end or a stop string alike, while the worker's
+    other sequence goes on. (The file stayed locked until the worker's next batch.)"""
+    from cluster.requests import Request
+    from cluster.scheduler import Prepared, Scheduler
+    from workers.actor import LocalGroup, Worker, WorkerSpec
+    from workers.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny)
+    cache = tmp_path / "cache"
+    fp = Fingerprint.from_config(ModelConfig.from_file(tiny / "config.json"))
+
+    def item(i, max_tokens, stop=()):
+        return Prepared(Request(id=f"r{i}", line=i + 1), np.asarray(prompt(30 + i), np.int32),
+                        max_tokens, 0.0, 1.0, 0, stop, cache=f"c{i}")
+
+    def generate(items, on_result, cache_dir=cache):
+        group = LocalGroup([Worker(WorkerSpec("w", str(tiny), "f32", 2, 128,
+                                              kv_cache_dir=str(cache_dir)))])
+        Scheduler(group, max_context=128, prefill_chunk=64, eos_ids=[], decode=tok.decode,
+                  tier="f32").run(items, on_result)
+
+    free = []
+    generate([item(1, 8)], free.append, tmp_path / "free")
+    stop = free[0].completion[2:4]
+    assert stop and free[0].completion.find(stop) < len(free[0].completion) - 2
+    seen = {}
+
+    def on_result(r):
+        with SlotFiles(cache, fp, "f32").open("c" + r.id[1:]) as f:  # SlotBusyError if held
+            seen[r.id] = (r.finish_reason, len(f.load().tokens))
+        seen[r.id] += (P + r.completion_token_count - 1,)
+
+    generate([item(0, 3), item(1, 8, (stop,)), item(2, 12)], on_result)
+    assert seen["r0"][0] == "length" and seen["r1"][0] == "stop" and seen["r2"][0] == "length"
+    for rid, (_, held, want) in seen.items():
+        assert held == want, rid  # prompt + completion but its last token, saved already

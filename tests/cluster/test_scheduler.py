@@ -394,27 +394,43 @@ def test_workers_dying_in_one_step_count_no_recovery_when_none_is_left():
     assert stats.worker_deaths == 2 and stats.recoveries == 0
     assert stats.requeued == 0  # (none re-run: they counted as requeued before)
 
-def test_a_worker_dying_in_the_final_release_is_counted():
-    """The last, release-only step (the final KV saves) meets a dead worker: every result
-    is out already, and the death counts (it was only logged: worker_deaths 0)."""
-    class DiesAtTheEnd(LocalGroup):
+def test_a_worker_dying_in_a_release_only_step_is_counted_and_recovered():
+    """r0 ends at a stop string (the worker cannot see it), so its slot is freed by a
+    release-only step right after, which meets r0's worker dead: the death counts and that
+    worker's other sequences re-run on the other with the same tokens."""
+    class DiesInARelease(LocalGroup):
+        died = False
+
         def step_all(self, batches):
             out = super().step_all(batches)
-            if all(len(b.keys) == 0 for b in batches.values()):  # the release-only step
+            if not self.died and all(len(b.keys) == 0 for b in batches.values()):
+                self.died = True
                 return {w: RuntimeError("actor died") for w in out}
             return out
 
         def is_dead(self, worker, exc):
-            return True
+            return isinstance(exc, RuntimeError) and str(exc) == "actor died"
 
-    items = [prep(i, p, seed=i) for i, p in enumerate(prompts(4))]
-    results, m = [], JobMetrics(use_ray=False)
-    stats = Scheduler(DiesAtTheEnd(make_group([2, 2]).workers), max_context=MAX_CTX,
-                      prefill_chunk=7, eos_ids=[EOS], decode=decode, tier="f32",
-                      metrics=m).run(items, results.append)
-    assert len(results) == 4 and not any(r.error for r in results)
-    assert stats.worker_deaths == 2 and stats.requeued == 0
-    assert m.local["worker_deaths"] == 2
+    ps = prompts(6, seed=4)
+    free, _ = run(make_group([2, 2], eos_bias=-50), [prep(i, p, max_tokens=10)
+                                                      for i, p in enumerate(ps)])
+    stop = free["r0"].completion[3:5]
+    items = [prep(i, p, max_tokens=10, stop=(stop,) if i == 0 else ()) for i, p in enumerate(ps)]
+    ref, _ = run(make_group([2, 2], eos_bias=-50), items)
+    assert ref["r0"].completion_token_count < 10  # r0 did end at its stop string
+    base = make_group([2, 2], eos_bias=-50)
+    group, results, m = DiesInARelease(base.workers), [], JobMetrics(use_ray=False)
+    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32", metrics=m).run(items, results.append)
+    assert group.died
+    got = {r.id: r for r in results}
+    assert set(got) == set(ref) and not any(r.error for r in results)
+    for k in ref:
+        assert got[k].completion_tokens == ref[k].completion_tokens, k
+    assert stats.worker_deaths == 1 and stats.recoveries == 1 and stats.requeued >= 1
+    assert m.local["worker_deaths"] == 1
+    live = base.workers[1 - int(got["r0"].worker[1:])]
+    assert not live.pool.used.any()  # the survivor handed back every slot
 
 
 def test_decode_rate_gauge_follows_decode_only_steps():
@@ -422,3 +438,42 @@ def test_decode_rate_gauge_follows_decode_only_steps():
     m.step(40, 1.0)
     m.step(3, 1.0, decode=False)  # a step with prefill rows: few tokens, a long step
     assert m.local["decode_tokens_per_s"] == 40 and m.local["tokens_generated"] == 43
+
+
+def test_a_result_comes_after_its_slot_is_freed_with_no_extra_step_in_the_common_case():
+    """One slot, so nothing else holds it when a Result goes out: the slot must be free by
+    then, whether the sequence ended at EOS, its max_tokens or a stop string. EOS and length
+    ends are freed by the worker at the end of the finishing step (no extra call); only a
+    stop-string end costs one release-only call. (The slot was freed with the worker's next
+    batch, after the Result.)"""
+    class Counting(LocalGroup):
+        calls = 0
+
+        def step_all(self, batches):
+            self.calls += 1
+            return super().step_all(batches)
+
+    ps = prompts(8, seed=6)
+    free, _ = run(make_group([1], eos_bias=-50), [prep(0, ps[0], max_tokens=10)])
+    stop = free["r0"].completion[2:4]
+    group = Counting(make_group([1], eos_bias=1.5).workers)
+    pool = group.workers[0].pool
+    reasons = []
+
+    def on_result(r):
+        assert not pool.used.any(), (r.id, r.finish_reason)
+        reasons.append(r.finish_reason)
+
+    items = [prep(i, p, max_tokens=4, seed=i) for i, p in enumerate(ps)]
+    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32").run(items, on_result)
+    assert {"stop", "length"} <= set(reasons) and len(reasons) == 8
+    assert group.calls == stats.steps  # EOS and length ends: not one call more
+    group = Counting(make_group([1], eos_bias=-50).workers)
+    pool = group.workers[0].pool
+    res = []
+    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32").run([prep(0, ps[0], max_tokens=10, stop=(stop,))],
+                                      lambda r: (on_result(r), res.append(r)))
+    assert res[0].finish_reason == "stop" and res[0].completion_token_count < 10
+    assert group.calls == stats.steps + 1  # the stop string's release-only call
