@@ -9,6 +9,7 @@ round trip. The same class runs in-process (`LocalGroup`) or as a Ray actor (`Ra
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -214,21 +215,21 @@ class RayGroup:
     """Worker actors; a step submits to all of them first and then waits for all.
 
     The workers are independent and run one call at a time (a ping would wait behind the
-    step), so a step still running `grace_s` after the first of its peers' steps ended, or
-    `step_timeout_s` after it began, is hung whatever it is doing (workers/collect.py):
-    its actor is killed and it counts as dead, so the scheduler re-runs its sequences on a
-    worker that is left (or fails them where none is)."""
+    step), so a step still running `step_timeout_s` after it was submitted is hung whatever
+    it is doing (workers/collect.py): its actor is killed and it counts as dead, so the
+    scheduler re-runs its sequences on a worker that is left (or fails them where none is).
+    The timeout is absolute, not a grace after the peers' steps end: a fleet mixes GPU and
+    CPU hosts, and a CPU worker's step can rightly take far longer than a GPU worker's."""
 
     def __init__(self, placements: list[tuple[WorkerSpec, dict[str, Any]]],
-                 start_timeout_s: float = 600.0, grace_s: float = 60.0,
-                 step_timeout_s: float | None = 300.0):
+                 start_timeout_s: float = 600.0, step_timeout_s: float | None = 600.0):
         """placements: (spec, Ray actor options: num_cpus, resources, label_selector...)."""
         import ray
         actor_cls = ray.remote(Worker)
         self.actors = [actor_cls.options(**opts).remote(spec) for spec, opts in placements]
         self.names = [spec.name for spec, _ in placements]
         self.capacities = [spec.slots for spec, _ in placements]
-        self.grace_s, self.step_timeout_s = grace_s, step_timeout_s
+        self.step_timeout_s = step_timeout_s
         self.hung: set[int] = set()  # workers killed because a step of theirs hung
         refs = [a.info.remote() for a in self.actors]
         self.info: list[dict | None] = []
@@ -250,8 +251,8 @@ class RayGroup:
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
-        out = collect_steps(ray, refs, {i: self.names[i] for i in refs}, self.grace_s,
-                            after_any=True, timeout_s=self.step_timeout_s)
+        out = collect_steps(ray, refs, {i: self.names[i] for i in refs}, math.inf,
+                            timeout_s=self.step_timeout_s)  # (no grace: the timeout alone)
         for i, r in out.items():
             if isinstance(r, StepHung):
                 log.error("%s; killing it", r)

@@ -1,5 +1,5 @@
 """RayGroup with a worker actor that hangs: its process is stopped (SIGSTOP) before the job,
-so its first step never ends. The group must find it hung after the grace, kill it and
+so its first step never ends. The group must find it hung after its step timeout, kill it and
 report it dead, so the scheduler re-runs its sequences on the worker left (or fails them
 where none is left) instead of waiting forever."""
 from __future__ import annotations
@@ -67,7 +67,7 @@ def gone(pid, within_s=30.0) -> bool:
 def test_hung_worker_is_killed_and_its_sequences_rerun_on_the_other(ray, tiny):
     ref, _ = generate(LocalGroup([Worker(spec(tiny, "w"))]), tiny)
     group = RayGroup([(spec(tiny, "a"), {"num_cpus": 0.5}), (spec(tiny, "b"), {"num_cpus": 0.5})],
-                     grace_s=2.0, step_timeout_s=None)
+                     step_timeout_s=3.0)
     pid = stopped(group, 1)
     try:
         t0 = time.monotonic()
@@ -90,7 +90,7 @@ def test_hung_worker_is_killed_and_its_sequences_rerun_on_the_other(ray, tiny):
 
 
 def test_a_lone_hung_worker_fails_its_requests_after_the_step_timeout(ray, tiny):
-    group = RayGroup([(spec(tiny, "a"), {"num_cpus": 0.5})], grace_s=60.0, step_timeout_s=3.0)
+    group = RayGroup([(spec(tiny, "a"), {"num_cpus": 0.5})], step_timeout_s=3.0)
     pid = stopped(group, 0)
     try:
         t0 = time.monotonic()
@@ -101,7 +101,7 @@ def test_a_lone_hung_worker_fails_its_requests_after_the_step_timeout(ray, tiny)
         if not gone(pid, 0):
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
-    assert 3 <= took < 60, took  # no peer ended first: the step timeout, not the grace
+    assert 3 <= took < 60, took  # the step timeout
     assert len(got) == N
     assert all(r.finish_reason == "error" and r.error == "no live worker left"
                for r in got.values())
