@@ -6,8 +6,9 @@
 For every B x T (slots x context) and head count, each tier's time per layer (CUDA events,
 warm-up, median of --repeat), the bandwidth achieved on the tier's own cache bytes, and the
 floor max(bytes / read bandwidth, FLOPs / tensor rate), with both ceilings measured in the
-same run: a device-to-device copy (bytes read + written) and a cuBLAS f16 matrix product
-(cupy.matmul, f32 accumulate). FLOPs = 2 * H * (kv_lora + rope + kv_lora) per token.
+same run: a kernel that only reads a 2 GiB buffer (16-byte loads) and a cuBLAS f16 matrix
+product (cupy.matmul, f32 accumulate). A device-to-device copy (bytes read + written) is
+reported beside them, not used. FLOPs = 2 * H * (kv_lora + rope + kv_lora) per token.
 --backend cpu times the numpy path at sizes divided by --cpu-divide (no floor).
 """
 from __future__ import annotations
@@ -138,16 +139,49 @@ def _graph_time(fn, repeat: int) -> tuple[float, str]:
     return statistics.median(times), method
 
 
+# Reads n 16-byte words (four independent loads in flight per thread and pass) and folds
+# them into one word per thread, stored only if it matches a constant, so that the loads
+# cannot be dropped and almost nothing is written.
+_READ_SRC = r"""
+extern "C" __global__ void read_only(const uint4* __restrict__ src, unsigned long long n,
+                                     unsigned* __restrict__ sink) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = __ldcs(src + i), b = __ldcs(src + i + stride);
+        const uint4 c = __ldcs(src + i + 2 * stride), d = __ldcs(src + i + 3 * stride);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^
+               d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 a = __ldcs(src + i);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == 0x9E3779B9u) sink[0] = acc;
+}
+"""
+
+
 def measure_ceilings(repeat: int) -> dict:
-    """Copy bandwidth (read + write bytes, 2 GiB buffers) and f16 tensor rate (cuBLAS;
-    issue 6 names bf16, which CuPy has no product for: on the H200 the two measured equal
-    within their spread, docs/benchmarks/2026-12-01-h200-attention-sm90-s16.md)."""
+    """Read bandwidth (a kernel that only reads a 2 GiB buffer: the floor's byte rate, as
+    the attention kernels read their cache and write little), copy bandwidth (read + write
+    bytes of a 2 GiB copy, reported only) and f16 tensor rate (cuBLAS; issue 6 names bf16,
+    which CuPy has no product for: on the H200 the two measured equal within their spread,
+    docs/benchmarks/2026-12-01-h200-attention-sm90-s16.md)."""
     import cupy as cp
     src = cp.random.random(2 ** 28, dtype=cp.float64)  # 2 GiB
     dst = cp.empty_like(src)
     t = _cuda_time(lambda: cp.copyto(dst, src), repeat)
     bw = 2 * src.nbytes / t
-    del src, dst
+    del dst
+    fn = cp.RawKernel(_READ_SRC, "read_only")
+    sink = cp.zeros(1, cp.uint32)
+    n_words = src.nbytes // 16
+    blocks = 8 * cp.cuda.Device().attributes["MultiProcessorCount"]
+    t = _cuda_time(lambda: fn((blocks,), (256,), (src, np.uint64(n_words), sink)), repeat)
+    read_bw = src.nbytes / t
+    del src, sink
     n = 8192
     a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
     b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
@@ -155,7 +189,7 @@ def measure_ceilings(repeat: int) -> dict:
     t = _cuda_time(lambda: cp.matmul(a, b, out=c), repeat)
     del a, b, c
     cp.get_default_memory_pool().free_all_blocks()
-    return {"copy_bytes_per_s": bw, "f16_flops_per_s": 2 * n ** 3 / t}
+    return {"read_bytes_per_s": read_bw, "copy_bytes_per_s": bw, "f16_flops_per_s": 2 * n ** 3 / t}
 
 
 def best_ceilings(runs: list[dict]) -> dict:
@@ -169,10 +203,10 @@ def best_ceilings(runs: list[dict]) -> dict:
 
 
 def apply_floors(rows: list[dict], ceil: dict) -> None:
-    """Fill each timed row's floor (max of its bytes over the copy rate and its FLOPs over
+    """Fill each timed row's floor (max of its bytes over the read rate and its FLOPs over
     the f16 tensor rate), its time over that floor, and which bound it is."""
     for r in rows:
-        by_bytes = r["bytes"] / ceil["copy_bytes_per_s"]
+        by_bytes = r["bytes"] / ceil["read_bytes_per_s"]
         by_flops = r["flops"] / ceil["f16_flops_per_s"]
         floor = max(by_bytes, by_flops)
         r["floor_ms"] = 1e3 * floor
@@ -355,8 +389,9 @@ def bench_cpu(args) -> dict:
 
 def _print_table(res: dict) -> None:
     if res["backend"] == "cuda":
-        print(f"device {res['device']} ({res['sms']} SMs); measured copy "
-              f"{res['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), f16 cuBLAS "
+        print(f"device {res['device']} ({res['sms']} SMs); measured read "
+              f"{res['read_bytes_per_s'] / 1e12:.2f} TB/s (copy "
+              f"{res['copy_bytes_per_s'] / 1e12:.2f} TB/s read+write, not used), f16 cuBLAS "
               f"{res['f16_flops_per_s'] / 1e12:.0f} TFLOP/s (the best of "
               + ", ".join(f"{r['f16_flops_per_s'] / 1e12:.0f}" for r in res["ceiling_runs"])
               + ", before and after the rows)")
