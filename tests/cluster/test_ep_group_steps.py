@@ -12,7 +12,7 @@ from workers.collect import collect_steps
 @pytest.fixture(scope="module")
 def ray():
     import ray
-    ray.init(num_cpus=3, include_dashboard=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False)  # (never a running cluster)
     yield ray
     ray.shutdown()
 

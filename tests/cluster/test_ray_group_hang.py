@@ -22,7 +22,7 @@ N = 8
 @pytest.fixture(scope="module")
 def ray():
     import ray
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # (never a running cluster)
     yield ray
     ray.shutdown()
 
