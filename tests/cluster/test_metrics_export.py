@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import urllib.request
 
@@ -55,19 +54,20 @@ def _dashboard_metrics() -> set[str]:
     return {re.sub(r"_bucket$", "_count", n) for n in names}
 
 
-def _kill_one_worker_when_running(stop: threading.Event, killed: list) -> None:
-    """Once two workers are up and the job has run a few seconds, SIGKILL one of them."""
+def _kill_one_worker_at_step(monkeypatch, step: int, killed: list) -> None:
+    """SIGKILL one of the job's worker actors just before its group's `step`-th step: mid-job
+    on any machine (a kill a few seconds after the workers were up came after the job's end
+    where the job ran faster than that)."""
+    from cluster import ep_group
     from cluster.soak.faults import kill_worker, live_workers
-    while not stop.is_set():
-        try:
-            actors = live_workers()
-        except Exception:  # the state API answers once the dashboard is up
-            actors = []
-        if len(actors) == 2:
-            time.sleep(3.0)
+    real, calls = ep_group.ShardedGroup.step_all, []
+
+    def step_all(self, batches):
+        calls.append(1)
+        if len(calls) == step:
             killed.append(kill_worker(live_workers()[0]))
-            return
-        time.sleep(0.5)
+        return real(self, batches)
+    monkeypatch.setattr(ep_group.ShardedGroup, "step_all", step_all)
 
 
 def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
@@ -107,11 +107,9 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
         assert got["ray_kvfleet_fallbacks_total"] > 0  # polar rows rebuilt on the CPU
         assert got["ray_kvfleet_time_to_first_token_s_count"] == 24
         # 2. the same job with a worker killed mid-way, and a soak round's ratios
-        stop, killed = threading.Event(), []
-        t = threading.Thread(target=_kill_one_worker_when_running, args=(stop, killed), daemon=True)
-        t.start()
+        killed = []
+        _kill_one_worker_at_step(monkeypatch, 4, killed)  # (the job takes 100+ steps)
         summary = run_generate(cfg, prompts, tmp_path / "killed.parquet")
-        stop.set()
         assert killed and killed[0] is not None, "the worker was not killed mid-job"
         assert len(pq.read_table(tmp_path / "killed.parquet")) == 24
         RatioGauge().publish({"throughput_tok_s": 100.0}, {"throughput_tok_s": 97.0})
