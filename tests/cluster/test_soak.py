@@ -90,7 +90,7 @@ def test_soak_with_worker_kills_loses_nothing(setup, monkeypatch):
     many = write_lines(d / "many.jsonl", prompt_lines(40, seed=5, max_tokens=64))
     out = d / "kills"
     code = main(["soak", "--config", str(two), "--prompts", str(many), "--rounds", "2",
-                 "--out", str(out), "--kill-worker-every", "4s"])
+                 "--out", str(out), "--kill-worker-every", "1s"])
     s = json.loads((out / "summary.json").read_text())
     assert s["faults"]["kills"] >= 1
     assert s["faults"]["lost_requests"] == 0
