@@ -163,7 +163,13 @@ def no_kernel_reason(tier: Tier | str, kv_lora: int, rope: int) -> str | None:
     the tier (polar), the widths (kv_lora % 128, rope % 16, tq4's rotation), or shared
     memory (the smallest attention.cu tile, 16 heads x 32 tokens with one stage in flight,
     must fit the device's opt-in limit per block; every head count can run on it)."""
-    tier = get_tier(tier)
+    return _no_kernel_reason(get_tier(tier), kv_lora, rope, _device_info(cp.cuda.Device().id))
+
+
+@functools.lru_cache(maxsize=None)
+def _no_kernel_reason(tier: Tier, kv_lora: int, rope: int, info: tuple) -> str | None:
+    """no_kernel_reason on the device whose _device_info is `info` (once per key: callers
+    ask per layer and step)."""
     if tier.kind not in _TIER_ID:
         return f"no CUDA attention kernel for the {tier.kind} tiers"
     if kv_lora % 128 or rope % 16 or kv_lora <= 0 or rope <= 0:
@@ -374,11 +380,28 @@ class _Choice:
     why: str = ""          # (shape None) why not
 
 
+# what a choice depends on besides its arguments: the KVFLEET_CUDA_* knobs _wg_shapes reads
+_CHOICE_ENV = (WG_ENV, "KVFLEET_CUDA_KV8_CVT", TMA_ENV, "KVFLEET_CUDA_WG_TUNING")
+_choices: dict[tuple, _Choice] = {}
+
+
 def _choose(tier: Tier, n_heads: int, dl: int, dr: int, bs: int, skip: int = 0,
             two_ctas: bool = True) -> _Choice:
     """attn_wg where it applies and fits, else attention.cu's best tile that fits, else none
     (the CPU path); the fallbacks a launch of it counts (kernel_path, ctas_per_sm and
-    paged_mla_decode all choose here, so the plan matches the launch)."""
+    paged_mla_decode all choose here, so the plan matches the launch). Made once per
+    arguments, device limits and knobs: paged_mla_decode asks per layer and step, and
+    trying every candidate's shared memory cost as much host time as the rest of a call."""
+    key = (tier, n_heads, dl, dr, bs, skip, two_ctas, _device_info(cp.cuda.Device().id),
+           *map(os.environ.get, _CHOICE_ENV))
+    choice = _choices.get(key)
+    if choice is None:
+        choice = _choices[key] = _choose_now(tier, n_heads, dl, dr, bs, skip, two_ctas)
+    return choice
+
+
+def _choose_now(tier: Tier, n_heads: int, dl: int, dr: int, bs: int, skip: int,
+                two_ctas: bool) -> _Choice:
     why = no_kernel_reason(tier, dl, dr)
     if why is not None:
         return _Choice(None, why=why)

@@ -209,3 +209,33 @@ def test_device_pool_attends_on_the_cpu_where_no_tile_fits(fake_cupy):
     want = host.attend(0, [s, s], [39, 20], q_lat, q_rope, 0.1)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert dict(dev.counters.fallbacks) == {("attend", "f32"): 1}
+
+
+def test_the_kernel_choice_is_made_once_per_shape_not_per_layer_call(fake_cupy, monkeypatch):
+    """paged_mla_decode runs per layer and step: its kernel choice (the shared-memory checks
+    of every candidate, the fallback messages) is made once per parameters, device limits
+    and KVFLEET_CUDA_* knobs, not per call (it doubled the host time of a call), while the
+    fallbacks it implies are still counted per call. A changed knob or device limit chooses
+    afresh."""
+    fake_cupy(*A100)
+    from kernels.cuda import attention as A
+
+    made = []
+    real_shape, real_wg = A._shape, A._wg_shapes
+    monkeypatch.setattr(A, "_shape", lambda *a, **k: made.append("mma") or real_shape(*a, **k))
+    monkeypatch.setattr(A, "_wg_shapes", lambda *a, **k: made.append("wg") or real_wg(*a, **k))
+    launched = []
+    monkeypatch.setattr(A, "_launch", lambda tier, shape, groups, *a: launched.append(shape))
+    monkeypatch.setattr(A, "_launch_wg", lambda shape, groups, *a: launched.append(shape))
+    args = _decode_args(A, "kv8", 64)
+    for _ in range(5):
+        A.paged_mla_decode("kv8", *args, 1.0)
+    assert made.count("mma") == 1 and len(set(launched)) == 1 and launched[0].bt == 32
+    assert A.fallbacks == {"attn_split_smem": 5}  # (counted per call all the same)
+    assert A.kernel_path("kv8", 64, 512, 64) == "mma" and made.count("mma") == 1
+    monkeypatch.setattr(A, "_device_info", lambda dev: (*H200, 132))  # another device's limits
+    A.paged_mla_decode("kv8", *args, 1.0)
+    assert isinstance(launched[-1], A.WgShape)
+    monkeypatch.setenv("KVFLEET_CUDA_WGMMA", "0")  # a knob: chosen afresh
+    A.paged_mla_decode("kv8", *args, 1.0)
+    assert isinstance(launched[-1], A.Shape) and launched[-1].bt == 64

@@ -28,7 +28,7 @@ def _counted() -> set[str]:
     srcs, paths = _sources(), set()
     tiers = list(TIERS)
     for name, src in srcs.items():
-        # kernels/cuda/attention.py: _count_fallback("name", ...), or the names of _choose's
+        # kernels/cuda/attention.py: _count_fallback("name", ...), or the names of _choose_now's
         # (name, why) pairs, which paged_mla_decode counts
         for arg in _calls(src, "_count_fallback"):
             m = re.match(r'\s*"(\w+)"', arg)
@@ -36,7 +36,7 @@ def _counted() -> set[str]:
                 paths.add(f"cuda.{m.group(1)}")
             else:
                 assert arg.startswith("name, why)"), (name, arg)
-                choose = re.search(r"\ndef _choose\(.*?(?=\ndef )", src, re.S).group(0)
+                choose = re.search(r"\ndef _choose_now\(.*?(?=\ndef )", src, re.S).group(0)
                 pairs = re.findall(r'\(\("(\w+)",', choose)
                 assert pairs, name
                 paths |= {f"cuda.{n}" for n in pairs}
