@@ -9,6 +9,7 @@ StepHung as their result, and the ones that answer are only slow and are waited 
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -26,7 +27,8 @@ def no_ping(workers) -> dict[int, str]:
 def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float,
                   silent: Callable[[list[int]], dict[int, str]] = no_ping, *,
                   after_any: bool = False, timeout_s: float | None = None) -> dict[int, Any]:
-    """ray.get of every ref, under the grace rule of the module docstring."""
+    """ray.get of every ref, under the grace rule of the module docstring (grace_s inf: no
+    grace, the timeout alone; timeout_s None: none)."""
     out: dict[int, Any] = {}
     pending = dict(refs)
     t0 = time.monotonic()
@@ -38,11 +40,12 @@ def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: flo
             hung = silent(list(pending))
             for i in hung:
                 pending.pop(i)
+                grace = (f"grace {grace_s:g} s after "
+                         f"{'another worker' if after_any else 'a failed'} step ended, "
+                         if math.isfinite(grace_s) else "")
                 out[i] = StepHung(f"worker {names[i]}: its step still runs after "
-                                  f"{time.monotonic() - t0:.0f} s (grace {grace_s:g} s after "
-                                  f"{'another worker' if after_any else 'a failed'} step "
-                                  f"ended, step timeout {timeout_s}) and it does not answer "
-                                  f"a ping ({hung[i]})")
+                                  f"{time.monotonic() - t0:.0f} s ({grace}step timeout "
+                                  f"{timeout_s}) and it does not answer a ping ({hung[i]})")
             deadline = None  # the ones that answered: slow, not hung
             continue
         for i in [i for i, r in pending.items() if r in ready]:
@@ -51,7 +54,7 @@ def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: flo
                 failed = False
             except ray.exceptions.RayError as e:
                 out[i], failed = e, True
-            if (failed or after_any) and pending:
+            if (failed or after_any) and pending and math.isfinite(grace_s):  # (inf: no grace)
                 end = time.monotonic() + grace_s
                 deadline = end if deadline is None else min(deadline, end)
     return out

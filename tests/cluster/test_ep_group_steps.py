@@ -48,3 +48,22 @@ def test_after_a_failure_a_silent_step_fails_and_a_slow_one_is_waited_for(ray):
     out = collect_steps(ray, {0: a.run.remote("x"), 1: b.run.remote("y")}, {0: "w0", 1: "w1"},
                         grace_s=0.0)  # without a failure every step is waited for
     assert out == {0: "x", 1: "y"}
+
+
+def test_no_grace_waits_for_every_step_after_a_failure(ray):
+    """RayGroup passes grace_s=inf (its rule is the step timeout alone) and step_timeout_s
+    may be None: a failed step beside a running one then waits for that one. (The deadline
+    became now + inf, and ray.wait's int(timeout * 1000) raised OverflowError, so the whole
+    job failed on the first step error.)"""
+    import math
+
+    @ray.remote
+    def step(what):
+        if what == "fail":
+            raise RuntimeError("bad batch")
+        time.sleep(2)
+        return what
+
+    out = collect_steps(ray, {0: step.remote("fail"), 1: step.remote("slow")},
+                        {0: "w0", 1: "w1"}, grace_s=math.inf, timeout_s=None)
+    assert "bad batch" in str(out[0]) and out[1] == "slow"
