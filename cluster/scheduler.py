@@ -11,9 +11,11 @@ One iteration of `Scheduler.run`:
      the context ends, and its slot is released by the end of this iteration: the worker
      frees it (saving its KV, unlocking its cache file) at the end of the step itself when
      the end is EOS or a length (`StepBatch.last` / `end_ids`: no extra call); the ends only
-     the scheduler sees (stop strings) and failed sequences go in one release-only step.
-     Then the iteration's Results go out, so a caller that gets a Result finds its slot
-     free and its cache file unlocked, and the slot is refilled in the very next step.
+     the scheduler sees (stop strings) and failed sequences of a request with a saved-KV
+     cache go in one release-only step, so that its file is unlocked before its Result goes
+     out; those without a cache (nothing to unlock) are released with their worker's next
+     batch, or at the job's end, at no extra call. Then the iteration's Results go out, and
+     the slot is refilled in the very next step.
 """
 from __future__ import annotations
 
@@ -103,8 +105,12 @@ class Scheduler:
         self.clock = clock
         self.stats = SchedulerStats()
         self._next_key = 0
+        # slots to free in this iteration's release-only step / with the worker's next batch
+        # (_release_now decides), and of each the keys of failed sequences: KV not saved
         self._release: list[list[int]] = [[] for _ in group.names]
-        self._discard: list[list[int]] = [[] for _ in group.names]  # of them: KV not saved
+        self._discard: list[list[int]] = [[] for _ in group.names]
+        self._later: list[list[int]] = [[] for _ in group.names]
+        self._later_discard: list[list[int]] = [[] for _ in group.names]
         self._dead: set[int] = set()
         self._results: list[Result] = []  # this iteration's, handed out once released
         self._ttft_lines: set[int] = set()  # requests whose first token the histogram has
@@ -139,6 +145,14 @@ class Scheduler:
             self._emit(on_result)
             wall = self.clock() - t_iter
             self._account(outs, wall, wall - (t1 - t0), n_tok, n_prompt)
+        # the slots left for a next batch that will not come (their Results are out already)
+        for w in range(len(self.group.names)):
+            self._release[w] += self._later[w]
+            self._discard[w] += self._later_discard[w]
+        self._later = [[] for _ in self.group.names]
+        self._later_discard = [[] for _ in self.group.names]
+        self._flush_releases(waiting, [])
+        self._emit(on_result)
         # the gauges say what is in flight now (nothing), not what the last step had
         self.metrics.queue(len(waiting), 0)
         self.metrics.step(0, 0.0)
@@ -162,6 +176,7 @@ class Scheduler:
                 active.remove(s)
             if w in dead:
                 self._release[w], self._discard[w] = [], []
+                self._later[w], self._later_discard[w] = [], []
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
                 self.stats.worker_deaths += 1
@@ -176,8 +191,7 @@ class Scheduler:
                           len(mine), exc)
                 for s in mine:  # (a failed request leaves its saved conversation whole)
                     self._results.append(self._result(s, "error", f"worker step failed: {exc!r}"))
-                    self._release[w].append(s.key)
-                    self._discard[w].append(s.key)
+                    self._free_slot(s, discard=True)
         if len(self._dead) == len(self.group.names):
             self._fail_all(waiting)
 
@@ -254,7 +268,9 @@ class Scheduler:
                 seed=np.array([s.item.seed for s in seqs], np.uint64),
                 counter=np.array([len(s.out) for s in seqs], np.uint64),
                 last=np.array([self._last(s) for s in seqs], bool), end_ids=self._end_ids,
+                release=tuple(self._later[w]), discard=tuple(self._later_discard[w]),
                 attach=attach.get(w, {}))
+            self._later[w], self._later_discard[w] = [], []
         return batches, sampled, n_prompt
 
     @staticmethod
@@ -290,10 +306,26 @@ class Scheduler:
                     self._results.append(self._result(s, reason))
                     finished.append(s)
                     if not freed:  # a stop string
-                        self._release[s.worker].append(s.key)
+                        self._free_slot(s)
         for s in finished:
             active.remove(s)
         return n_tok
+
+    @staticmethod
+    def _release_now(s: _Seq) -> bool:
+        """Whether s's slot (ended where the worker cannot see it) is freed in this iteration's
+        release-only step: where it has a saved-KV cache, whose file stays locked until then
+        (a caller reusing it after the Result would find it busy). Others wait for their
+        worker's next batch: an extra round trip to the workers per such iteration would
+        slow stop-string workloads for nothing."""
+        return s.item.cache is not None
+
+    def _free_slot(self, s: _Seq, discard: bool = False) -> None:
+        rel, dis = ((self._release, self._discard) if self._release_now(s)
+                    else (self._later, self._later_discard))
+        rel[s.worker].append(s.key)
+        if discard:
+            dis[s.worker].append(s.key)
 
     def _last(self, s: _Seq) -> bool:
         """The token s samples next ends it whatever it is (_finish_reason's length rules)."""

@@ -394,10 +394,19 @@ def test_workers_dying_in_one_step_count_no_recovery_when_none_is_left():
     assert stats.worker_deaths == 2 and stats.recoveries == 0
     assert stats.requeued == 0  # (none re-run: they counted as requeued before)
 
+class ReleasingNow(Scheduler):
+    """Every stop-string end freed in the iteration's release-only step, as for requests
+    with a saved-KV cache (Scheduler._release_now)."""
+    @staticmethod
+    def _release_now(s):
+        return True
+
+
 def test_a_worker_dying_in_a_release_only_step_is_counted_and_recovered():
     """r0 ends at a stop string (the worker cannot see it), so its slot is freed by a
-    release-only step right after, which meets r0's worker dead: the death counts and that
-    worker's other sequences re-run on the other with the same tokens."""
+    release-only step right after (as for a request with a saved-KV cache), which meets r0's
+    worker dead: the death counts and that worker's other sequences re-run on the other with
+    the same tokens."""
     class DiesInARelease(LocalGroup):
         died = False
 
@@ -420,8 +429,8 @@ def test_a_worker_dying_in_a_release_only_step_is_counted_and_recovered():
     assert ref["r0"].completion_token_count < 10  # r0 did end at its stop string
     base = make_group([2, 2], eos_bias=-50)
     group, results, m = DiesInARelease(base.workers), [], JobMetrics(use_ray=False)
-    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
-                      tier="f32", metrics=m).run(items, results.append)
+    stats = ReleasingNow(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS],
+                         decode=decode, tier="f32", metrics=m).run(items, results.append)
     assert group.died
     got = {r.id: r for r in results}
     assert set(got) == set(ref) and not any(r.error for r in results)
@@ -441,11 +450,11 @@ def test_decode_rate_gauge_follows_decode_only_steps():
 
 
 def test_a_result_comes_after_its_slot_is_freed_with_no_extra_step_in_the_common_case():
-    """One slot, so nothing else holds it when a Result goes out: the slot must be free by
-    then, whether the sequence ended at EOS, its max_tokens or a stop string. EOS and length
-    ends are freed by the worker at the end of the finishing step (no extra call); only a
-    stop-string end costs one release-only call. (The slot was freed with the worker's next
-    batch, after the Result.)"""
+    """One slot, so nothing else holds it when a Result goes out. EOS and length ends are
+    freed by the worker at the end of the finishing step: free at the Result, no extra call.
+    A stop-string end (the worker cannot see it) of a request with a saved-KV cache costs one
+    release-only call, so it is free at the Result too; without a cache it is freed with the
+    worker's next batch or at the job's end, at no extra call."""
     class Counting(LocalGroup):
         calls = 0
 
@@ -472,8 +481,22 @@ def test_a_result_comes_after_its_slot_is_freed_with_no_extra_step_in_the_common
     group = Counting(make_group([1], eos_bias=-50).workers)
     pool = group.workers[0].pool
     res = []
-    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
-                      tier="f32").run([prep(0, ps[0], max_tokens=10, stop=(stop,))],
-                                      lambda r: (on_result(r), res.append(r)))
+    stats = ReleasingNow(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS],
+                         decode=decode, tier="f32").run(
+        [prep(0, ps[0], max_tokens=10, stop=(stop,))], lambda r: (on_result(r), res.append(r)))
     assert res[0].finish_reason == "stop" and res[0].completion_token_count < 10
     assert group.calls == stats.steps + 1  # the stop string's release-only call
+    # three such requests in a row through the one slot: with a cache, a release-only call
+    # each; without, each rides on the next request's first batch, and the last is freed by
+    # the job's closing release: still held at its Result, free once the job has ended
+    three = [prep(i, ps[0], max_tokens=10, stop=(stop,)) for i in range(3)]
+    for sched, extra in ((ReleasingNow, 3), (Scheduler, 1)):
+        group = Counting(make_group([1], eos_bias=-50).workers)
+        pool = group.workers[0].pool
+        held = []
+        stats = sched(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32").run(three, lambda r: held.append((r.finish_reason, pool.used.any())))
+        assert [h[0] for h in held] == ["stop"] * 3
+        assert group.calls == stats.steps + extra, sched
+        assert all(h[1] for h in held) == (sched is Scheduler)
+        assert not pool.used.any()
