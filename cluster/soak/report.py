@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from cluster.soak.summary import describe_returncode  # noqa: E402
+from cluster.soak.summary import completed, describe_returncode  # noqa: E402
 
 COLORS = {"A": "#1f77b4", "B": "#d62728"}
 
@@ -29,9 +29,13 @@ def _over_time(rounds: pd.DataFrame, metrics: list[tuple[str, str]], title: str)
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.2))
     axes = [axes] if len(metrics) == 1 else axes
     t0 = rounds.start_s.min()
+    bad = rounds[rounds.failed.astype(bool)] if "failed" in rounds else rounds.iloc[:0]
     for ax, (col, label) in zip(axes, metrics):
-        for arm, r in rounds.groupby("arm"):
+        for arm, r in completed(rounds).groupby("arm"):
             ax.plot(r.start_s - t0, r[col], "o-", color=COLORS.get(arm), label=f"{arm}")
+        for arm, r in bad.groupby("arm"):  # partial figures: shown, not joined or summarized
+            ax.plot(r.start_s - t0, r[col], "x", ms=9, mew=2, color=COLORS.get(arm),
+                    label=f"{arm} failed round")
         ax.set_xlabel("time since start (s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -41,8 +45,9 @@ def _over_time(rounds: pd.DataFrame, metrics: list[tuple[str, str]], title: str)
 
 
 def _ratios(rounds: pd.DataFrame, metrics: list[str]) -> str | None:
-    a = rounds[rounds.arm == "A"].set_index("round")
-    b = rounds[rounds.arm == "B"].set_index("round")
+    done = completed(rounds)  # pairs of completed rounds, as the summary's ratios
+    a = done[done.arm == "A"].set_index("round")
+    b = done[done.arm == "B"].set_index("round")
     common = a.index.intersection(b.index)
     if common.empty:
         return None
@@ -87,13 +92,25 @@ def _failed_rounds(summary: dict) -> str:
                    for f in failed)
     return (f'<h2 class="fail">failed rounds: {len(failed)}</h2><p>the run of these rounds '
             "exited non-zero or timed out; the rows they had served are kept (unserved ones "
-            "count as lost), and each counts against the gate's max_failed_rounds.</p>"
+            "count as lost, error rows as errors), and each counts against the gate's "
+            "max_failed_rounds. Their throughput, latency, memory and wall-time figures are "
+            "partial: the per-arm medians and the B/A ratios come from completed rounds only "
+            "(a ratio from a pair of them), and the plots mark a failed round with an x.</p>"
             "<table><tr><th>round</th><th>arm</th><th>how</th><th>log</th></tr>"
             f"{rows}</table>")
 
 
 def _img(b64: str | None, alt: str) -> str:
     return "" if b64 is None else f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _ratio_plot(rounds: pd.DataFrame) -> str:
+    if "B" not in set(rounds.arm):
+        return ""
+    b64 = _ratios(rounds, ["throughput_tok_s", "ttft_median_s", "decode_tok_s_median"])
+    if b64 is None:
+        return "<p>no B/A ratios: no round had both its A and its B run completed</p>"
+    return _img(b64, "ratio distributions")
 
 
 def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame,
@@ -105,8 +122,7 @@ def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame
         _img(_over_time(rounds, [("rss_bytes", "process RSS (bytes)"),
                                  ("kv_bytes", "KV bytes in use")], "memory per round"),
              "memory over time"),
-        _img(_ratios(rounds, ["throughput_tok_s", "ttft_median_s", "decode_tok_s_median"])
-             if "B" in set(rounds.arm) else None, "ratio distributions"),
+        _ratio_plot(rounds),
         _img(_faults(rounds, faults), "fault timeline"),
     ]
     gate = summary.get("gate", {})

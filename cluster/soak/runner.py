@@ -5,7 +5,13 @@ still gets twice the longest earlier round (so the last round of a --duration so
 not killed for running late), and a round that takes longer than its limit is a timeout
 whose unserved requests count as lost. A round whose run exits non-zero (it crashed, or
 was killed) or times out is a failed round: the gate's max_failed_rounds (default 0) fails
-the soak on it, whatever rows it had served (those still count, as in any round).
+the soak on it, whatever rows it had served (those still count, as in any round); its
+throughput, latency and memory figures are partial, left out of the medians and the B/A
+ratios (cluster/soak/summary.py).
+
+While it runs, the soak publishes the B/A ratios of each round pair whose runs both completed
+(`kvfleet_soak_ratio`, tag `metric`) and the failed rounds per arm
+(`kvfleet_soak_failed_rounds`, tag `arm`) through ray.util.metrics.
 
 Each round runs in its arm's working directory (another checkout of the code, or this one),
 joins the soak's Ray cluster through RAY_ADDRESS, and leaves a Parquet of results and a
@@ -209,13 +215,15 @@ class RatioGauge:
         self._thread.start()
 
     def publish(self, a: dict, b: dict) -> None:
-        """This round's ratios. A ratio this round cannot make (a value missing, A's 0, or
-        not finite) is left out, or set to NaN where an earlier round had set it: the gauge
-        then shows a gap, not the earlier round's ratio as the last one."""
+        """This round's ratios (a and b: its rounds.parquet rows). A ratio this round cannot
+        make (a value missing, A's 0, or not finite; any ratio when either run failed, as its
+        figures are partial) is left out, or set to NaN where an earlier round had set it: the
+        gauge then shows a gap, not the earlier round's ratio as the last one."""
+        failed = bool(a.get("failed") or b.get("failed"))
         with self._lock:
             for m in self.METRICS:
                 av, bv = a.get(m), b.get(m)
-                if (av is not None and bv is not None and av != 0
+                if (not failed and av is not None and bv is not None and av != 0
                         and math.isfinite(av) and math.isfinite(bv)):
                     self.last[m] = bv / av
                 elif m in self.last:
@@ -234,6 +242,25 @@ class RatioGauge:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class FailedRoundsCounter:
+    """Publishes the soak's failed rounds (a run that exited non-zero or timed out) as the
+    `kvfleet_soak_failed_rounds` counter (tag `arm`), so a dashboard shows a crashing build
+    while the soak still runs. Each arm's series starts at 0 (as cluster/metrics.py's
+    counters do: increase() misses a series' first sample, which would hide the first failure)."""
+
+    def __init__(self, arms: list[str]):
+        from ray.util.metrics import Counter
+        self.counter = Counter("kvfleet_soak_failed_rounds", "soak rounds whose run exited "
+                               "non-zero or timed out", tag_keys=("arm",))
+        record = getattr(self.counter, "_record", None)  # (Counter.inc refuses 0)
+        if record is not None:
+            for arm in arms:
+                record(0, tags={"arm": arm})
+
+    def failed(self, arm: str) -> None:
+        self.counter.inc(1, tags={"arm": arm})
 
 
 def run_soak(plan: SoakPlan) -> tuple[dict, int]:
@@ -264,6 +291,7 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     deadline = time.monotonic() + (plan.duration_s if plan.duration_s else 10 * 365 * 86400.0)
     rows, reqs, rnd = [], [], 0
     ratios = RatioGauge() if len(plan.arms) > 1 else None
+    failures = FailedRoundsCounter([a.key for a in plan.arms])
     try:
         if killer:
             killer.start()
@@ -276,6 +304,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 meta = _run_round(plan, arm, rnd, address, timeout)
                 row, req = _round_rows(meta, expected)
                 rows.append(row)
+                if row["failed"]:
+                    failures.failed(arm.key)
                 reqs.append(with_temperatures(req, own_temperatures, arm.temperature))
             if ratios and len(rows) >= 2 and rows[-1]["round"] == rows[-2]["round"] == rnd:
                 ratios.publish(rows[-2], rows[-1])

@@ -13,6 +13,13 @@ Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
 A ratio is B/A of the same round (rounds interleave A B A B, so a pair shares the machine's
 state); the summary gives the median, min and max of those per-round ratios.
 
+The performance figures (each arm's ROUND_METRICS but `errors`, its per-request TTFT and decode
+rate, and the ratios) come from completed rounds only: a failed round's figures are those of
+a run cut short (the rows it served before it crashed, a wall time that ends at its crash or
+timeout), and a ratio needs both rounds of its pair completed. A failed round still counts
+in the accounting: its served rows, lost requests and error rows, `errors` per round (the
+gate's max_errors) and the fault counters.
+
 Parity is decided line by line: a line that is greedy (temperature 0) in both arms must give
 the same tokens in A and B; a line that samples in either arm (its own `temperature`, or its
 arm's job temperature when it gives none) is not compared token by token, nor on anything
@@ -83,18 +90,33 @@ def parity_table(requests: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["round", "id", "first_diff", "compared", "sampled"])
 
 
+# per-round counts that account for what was served, failed rounds included (not performance)
+ACCOUNTING = frozenset({"errors"})
+
+
+def completed(rounds: pd.DataFrame) -> pd.DataFrame:
+    """The rounds whose run exited 0 (all of them in a table without `failed`)."""
+    return rounds[~rounds.failed.astype(bool)] if "failed" in rounds else rounds
+
+
 def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
     arms = sorted(rounds.arm.unique())
     out: dict = {"arms": arms, "rounds": int(rounds["round"].nunique()), "metrics": {}}
+    done = completed(rounds)
+    done_keys = set(zip(done["round"], done.arm))
+    perf_requests = requests[[k in done_keys for k in zip(requests["round"], requests.arm)]] \
+        if len(requests) else requests
     for arm in arms:
-        r = rounds[rounds.arm == arm]
-        out["metrics"][arm] = {m: _stats(r[m]) for m in ROUND_METRICS if m in r}
-        q = requests[requests.arm == arm]
+        r, rd = rounds[rounds.arm == arm], done[done.arm == arm]
+        out["metrics"][arm] = {m: _stats((r if m in ACCOUNTING else rd)[m])
+                               for m in ROUND_METRICS if m in r}
+        q = perf_requests[perf_requests.arm == arm]
         out["metrics"][arm]["request_ttft_s"] = _stats(q.ttft_s)
         out["metrics"][arm]["request_decode_tok_s"] = _stats(q.decode_tokens_per_s)
+        out["metrics"][arm]["completed_rounds"] = len(rd)
     if "B" in arms:
-        a = rounds[rounds.arm == "A"].set_index("round")
-        b = rounds[rounds.arm == "B"].set_index("round")
+        a = done[done.arm == "A"].set_index("round")
+        b = done[done.arm == "B"].set_index("round")
         common = a.index.intersection(b.index)
         ratios = {}
         for m in ROUND_METRICS:

@@ -73,7 +73,7 @@ def _kill_one_worker_at_step(monkeypatch, step: int, killed: list) -> None:
 def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
     import ray
     from cluster.jobs.generate import run_generate
-    from cluster.soak.runner import RatioGauge
+    from cluster.soak.runner import FailedRoundsCounter, RatioGauge
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     port, dashboard_port = free_ports(2)
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
@@ -113,13 +113,16 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
         assert killed and killed[0] is not None, "the worker was not killed mid-job"
         assert len(pq.read_table(tmp_path / "killed.parquet")) == 24
         RatioGauge().publish({"throughput_tok_s": 100.0}, {"throughput_tok_s": 97.0})
+        FailedRoundsCounter(["A", "B"]).failed("B")
         want = _dashboard_metrics()
-        got = _wait_for(port, lambda g: not (want - set(g)) and "ray_kvfleet_soak_ratio" in g,
+        got = _wait_for(port, lambda g: not (want - set(g)) and "ray_kvfleet_soak_ratio" in g
+                        and g["ray_kvfleet_soak_failed_rounds_total"] == 1,
                         f"every dashboard metric: {sorted(want)}")
         assert got["ray_kvfleet_worker_deaths_total"] == 1
         assert got["ray_kvfleet_requests_requeued_total"] == summary.stats.requeued >= 1
         assert got["ray_kvfleet_experts_moved_total"] >= 1
         assert got["ray_kvfleet_expert_pins"] > 0
         assert abs(got["ray_kvfleet_soak_ratio"] - 0.97) < 1e-9
+        assert got["ray_kvfleet_soak_failed_rounds_total"] == 1  # (A's series at 0, B's at 1)
     finally:
         ray.shutdown()

@@ -78,7 +78,10 @@ def test_report_lists_the_failed_rounds(tmp_path):
     out = tmp_path / "report.html"
     write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
     page = out.read_text()
-    assert "failed rounds: 2" in page and page.count("<img") == 4
+    # every B round failed: no completed pair, so no ratio plot (it showed B's partial figures)
+    assert "failed rounds: 2" in page and page.count("<img") == 3
+    assert "no B/A ratios: no round had both its A and its B run completed" in page
+    assert "the per-arm medians and the B/A ratios come from completed rounds only" in page
     assert "<td>0</td><td>B</td><td>killed by signal 9</td><td>rounds/r000_B.log</td>" in page
     assert "<td>1</td><td>B</td><td>timed out</td>" in page
     rounds["failed"], rounds["returncode"] = False, "0"

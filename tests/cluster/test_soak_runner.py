@@ -135,6 +135,13 @@ def test_ratio_gauge_is_set_again_until_stopped(monkeypatch):
         assert len(sets) == 1 and sets[0][0] == "throughput_tok_s" and math.isnan(sets[0][1])
     g.publish({"throughput_tok_s": 100.0}, {"throughput_tok_s": 90.0})
     assert sets[-1] == ("throughput_tok_s", 0.9)
+    # a pair where either run failed: its figures are partial, so no ratio (it was 60/100)
+    for a, b in (({"failed": False}, {"failed": True}), ({"failed": True}, {"failed": False})):
+        sets.clear()
+        g.publish({"throughput_tok_s": 100.0, **a}, {"throughput_tok_s": 60.0, **b})
+        assert len(sets) == 1 and sets[0][0] == "throughput_tok_s" and math.isnan(sets[0][1])
+    g.publish({"throughput_tok_s": 100.0, "failed": False}, {"throughput_tok_s": 95.0, "failed": False})
+    assert sets[-1] == ("throughput_tok_s", 0.95)
 
 
 def test_a_killed_round_keeps_the_rows_it_had_flushed(tmp_path):
@@ -197,6 +204,21 @@ def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
     rounds.parquet, summary.json and the report. (A fake checkout runs the round; Ray is not
     started: the soak only hands the rounds its address.)"""
     import ray
+    import ray.util.metrics
+
+    counted = []
+
+    class FakeCounter:
+        def __init__(self, name, *a, **kw):
+            self.name = name
+
+        def _record(self, value, tags):
+            counted.append((self.name, tags["arm"], value))
+
+        def inc(self, value, tags):
+            counted.append((self.name, tags["arm"], value))
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", FakeCounter)
     build = tmp_path / "crashing-build"
     (build / "cluster").mkdir(parents=True)
     (build / "cluster" / "__main__.py").write_text(FAKE_GENERATE)
@@ -218,6 +240,13 @@ def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
     assert json.loads((out / "summary.json").read_text())["metrics"]["A"]["failed_rounds"] == 2
     page = (out / "report.html").read_text()
     assert "failed rounds: 2" in page and "exit status 3" in page and "rounds/r001_A.log" in page
+    # the failed-rounds counter: A's series at 0 from the start, then one per failed round
+    assert counted == [("kvfleet_soak_failed_rounds", "A", 0)] + [
+        ("kvfleet_soak_failed_rounds", "A", 1)] * 2
+    # its rows count in the accounting, but no completed round: no performance figure
+    a = summary["metrics"]["A"]
+    assert a["completed_rounds"] == 0 and a["throughput_tok_s"]["n"] == 0
+    assert a["request_ttft_s"]["n"] == 0 and a["errors"]["max"] == 2
 
 
 def test_rounds_rows_carry_the_temperature_each_line_ran_at(tmp_path):

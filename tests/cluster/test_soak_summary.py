@@ -167,3 +167,31 @@ def test_parity_follows_each_lines_own_temperature():
     assert s["parity"] == {"greedy": True, "compared": 3, "sampled": 3, "breaks": 1,
                            "first_diff_min": 2}
     assert [str(f) for f in apply_gate(s, gate)] == ["greedy parity breaks = 1 > 0"]
+
+
+def test_performance_figures_come_from_completed_rounds_only():
+    """B's run of round 1 crashed after serving its rows slowly (throughput 60, TTFT 9 s, one
+    error row). Its partial figures entered B's medians and the B/A ratios (0.5 pulled the
+    throughput ratio's min and median); now only completed rounds, and pairs of them, count
+    there, while its rows and error still count in the accounting."""
+    requests, rounds = _tables()
+    rounds["returncode"] = ["0", "0", "0", "1", "0", "0"]
+    rounds["failed"] = rounds.returncode != "0"
+    rounds.loc[3, "errors"] = 3
+    crashed = (requests["round"] == 1) & (requests.arm == "B")
+    requests.loc[crashed, "ttft_s"] = 9.0
+    s = summarize(requests, rounds)
+    t = s["ratio_B_over_A"]["throughput_tok_s"]
+    assert np.isclose(t["median"], (0.9 + 1.05) / 2) and np.isclose(t["min"], 0.9) and t["n"] == 2
+    b = s["metrics"]["B"]
+    assert b["throughput_tok_s"] == {"median": 87.0, "min": 84.0, "max": 90.0, "n": 2}
+    assert b["request_ttft_s"]["max"] < 9.0 and b["request_ttft_s"]["n"] == 4
+    assert b["completed_rounds"] == 2 and b["failed_rounds"] == 1
+    assert s["metrics"]["A"]["completed_rounds"] == 3
+    assert s["metrics"]["A"]["throughput_tok_s"]["n"] == 3  # A's round 1 completed: it counts
+    # accounting keeps the failed round: its errors (the gate's max_errors) and its compared rows
+    assert b["errors"]["max"] == 3 and b["errors"]["n"] == 3
+    assert s["parity"]["compared"] == 6 and s["parity"]["breaks"] == 1
+    gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=None, max_lost_requests=0,
+                           max_errors=2, max_failed_rounds=None)
+    assert [str(f) for f in apply_gate(s, gate)] == ["errors per round (B) = 3 > 2"]
