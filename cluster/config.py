@@ -13,13 +13,15 @@ the field path, and carries the bad value.
     prefill_chunk: 256           # prompt tokens per scheduler step, over all slots
     sampling: {max_tokens: 64, temperature: 0.0, top_p: 1.0, seed: 0}
     workers: {count: 1, fleet: null, num_cpus: 1, resources: {}, label_selector: {},
-              experts: replicated}   # or sharded: expert parallel (cluster/ep_group.py)
+              experts: replicated,   # or sharded: expert parallel (cluster/ep_group.py)
+              step_timeout_s: 600}   # a worker's step running longer is hung; 0/null: none
     kv_cache_dir: null           # a dir: save each request's KV, resume shared prefixes
     kv_cache_format: arrow       # arrow | coli (the C engine's .coli_kv)
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -53,6 +55,9 @@ class Sampling(_Frozen):
     # without a seed gets one mixed from this and its id: cluster/jobs/generate.request_seed)
 
 
+_TIMEOUT_RULE = "must be a positive number of seconds, or 0 (or null) for no timeout"
+
+
 class Workers(_Frozen):
     """Where worker actors go. `fleet` names a fleet file (cluster/fleet.py) instead of a count."""
     count: int = Field(1, ge=1)
@@ -65,6 +70,28 @@ class Workers(_Frozen):
     ray_num_cpus: int | None = Field(None, ge=1)  # CPUs of a local Ray started by the job
     # sharded: each worker holds a shard of the routed experts (cluster/ep_group.py)
     experts: Literal["replicated", "sharded"] = "replicated"
+    # Seconds a replicated worker's step may run before it counts as hung: its actor is
+    # killed and its sequences re-run elsewhere (workers/actor.py RayGroup). Absolute, so it
+    # must cover the slowest host's longest step (a CPU worker's prefill chunk). 0 or null:
+    # no timeout (a hung worker then holds the job). Expert-parallel groups find a hung
+    # worker by pinging it once a peer's step fails (cluster/ep_group.py) and ignore it.
+    step_timeout_s: float | None = 600.0
+
+    @field_validator("step_timeout_s", mode="before")
+    @classmethod
+    def _not_a_switch(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML `yes` would be a 1 s timeout: every step "hung"
+            raise ValueError(_TIMEOUT_RULE)
+        return v
+
+    @field_validator("step_timeout_s")
+    @classmethod
+    def _timeout_or_none(cls, v: float | None) -> float | None:
+        if v is None or v == 0:
+            return None
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(_TIMEOUT_RULE)
+        return v
 
 
 class JobConfig(_Frozen):
@@ -132,6 +159,7 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "KVFLEET_TOP_P": ("sampling.top_p", float),
     "KVFLEET_SEED": ("sampling.seed", int),
     "KVFLEET_WORKERS": ("workers.count", int),
+    "KVFLEET_STEP_TIMEOUT_S": ("workers.step_timeout_s", float),  # 0: no timeout
     "KVFLEET_KV_CACHE_DIR": ("kv_cache_dir", str),
     "KVFLEET_KV_CACHE_FORMAT": ("kv_cache_format", str),
 }

@@ -184,7 +184,7 @@ def _start_workers(cfg: JobConfig):
         return LocalGroup([Worker(spec) for spec, _ in placements]), lambda: None
     import ray
     started = connect_ray(cfg, placements)
-    group = RayGroup(placements)
+    group = RayGroup(placements, step_timeout_s=cfg.workers.step_timeout_s)
 
     def close() -> None:
         group.close()

@@ -155,3 +155,60 @@ def test_top_p_default_from_the_environment():
     """KVFLEET_TOP_P sets sampling.top_p, as KVFLEET_TEMPERATURE and KVFLEET_SEED set theirs
     (there was no variable for it)."""
     assert load_job_config(env={"KVFLEET_TOP_P": "0.9"}).sampling.top_p == 0.9
+
+
+def test_step_timeout_from_yaml_env_and_flags(tmp_path):
+    """workers.step_timeout_s (RayGroup's hung-step limit) could only be set on RayGroup's
+    constructor: no job config, variable or flag reached it. 0 or null: no timeout."""
+    assert load_job_config(env={}).workers.step_timeout_s == 600.0
+    p = write(tmp_path, "workers: {step_timeout_s: 90}\n")
+    assert load_job_config(p, env={}).workers.step_timeout_s == 90.0
+    for off in ("0", "null", "0.0"):
+        q = write(tmp_path, f"workers: {{step_timeout_s: {off}}}\n", name="off.yaml")
+        assert load_job_config(q, env={}).workers.step_timeout_s is None
+    assert load_job_config(p, env={"KVFLEET_STEP_TIMEOUT_S": "1800"}).workers.step_timeout_s == 1800.0
+    assert load_job_config(p, env={"KVFLEET_STEP_TIMEOUT_S": "0"}).workers.step_timeout_s is None
+    c = load_job_config(p, env={"KVFLEET_STEP_TIMEOUT_S": "1800"},
+                        overrides={"workers": {"step_timeout_s": 45}})
+    assert c.workers.step_timeout_s == 45.0
+
+
+@pytest.mark.parametrize("text", ["-1", ".inf", ".nan", "yes", "soon"])
+def test_step_timeout_errors_name_the_field(tmp_path, text):
+    """A negative, infinite or NaN timeout, or a switch (YAML `yes` is True, which read as a
+    1 s limit: every step 'hung'), is refused naming the file and the field."""
+    p = write(tmp_path, f"workers: {{step_timeout_s: {text}}}\n")
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(p, env={})
+    msg = str(e.value)
+    assert str(p) in msg and "workers.step_timeout_s" in msg, msg
+
+
+@pytest.mark.parametrize("value, match", [
+    ("-5", r"workers.step_timeout_s \(from KVFLEET_STEP_TIMEOUT_S\): .*positive number of seconds"),
+    ("nan", r"workers.step_timeout_s \(from KVFLEET_STEP_TIMEOUT_S\)"),
+    ("ten", r"KVFLEET_STEP_TIMEOUT_S='ten' \(field workers.step_timeout_s\)"),
+])
+def test_step_timeout_env_errors_name_the_variable(value, match):
+    with pytest.raises(JobConfigError, match=match):
+        load_job_config(env={"KVFLEET_STEP_TIMEOUT_S": value})
+
+
+def test_generate_hands_the_step_timeout_to_ray_group(monkeypatch):
+    """The job built RayGroup(placements): always the constructor's default timeout."""
+    from cluster.jobs import generate
+    got = {}
+
+    class FakeGroup:
+        def __init__(self, placements, **kw):
+            got.update(kw, n=len(placements))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(generate, "RayGroup", FakeGroup)
+    monkeypatch.setattr(generate, "connect_ray", lambda cfg, placements: False)
+    for value, want in ((75, 75.0), (0, None)):
+        cfg = load_job_config(env={}, overrides={"workers": {"count": 2, "step_timeout_s": value}})
+        generate._start_workers(cfg)
+        assert got == {"step_timeout_s": want, "n": 2}
