@@ -28,7 +28,7 @@ from cluster.config import JobConfig
 from cluster.metrics import JobMetrics
 from cluster.placement import Placement, even_rooms, fleet_placements, split_owners
 from workers.actor import LocalGroup, StepBatch, StepOutput
-from workers.collect import collect_steps
+from workers.collect import StepHung, collect_steps
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class WorkerDied(RuntimeError):
 
 class ShardedGroup:
     """WorkerGroup (workers/actor.py) of ShardedWorker actors; see the module docstring."""
+    grace_s = 30.0  # a step still running this long after a peer's step failed is pinged
+    ping_timeout_s = 30.0  # a worker that does not answer a ping within this is gone
 
     def __init__(self, cfg: JobConfig, placements: list[Placement], sharded: bool = True,
                  metrics: JobMetrics | None = None, start_timeout_s: float = 600.0,
@@ -103,7 +105,7 @@ class ShardedGroup:
             out.update({i: r for i, r in results.items() if i not in failed})
             if not failed:
                 break
-            dead = self._find_dead()
+            dead = self._find_dead(hung=[i for i, r in failed.items() if isinstance(r, StepHung)])
             if not dead:
                 out.update(failed)  # real step errors: the scheduler fails those sequences
                 break
@@ -117,28 +119,29 @@ class ShardedGroup:
         self._maybe_stats()
         return out
 
-    def _run(self, batches: dict[int, StepBatch], grace_s: float = 30.0) -> dict[int, Any]:
+    def _run(self, batches: dict[int, StepBatch]) -> dict[int, Any]:
         """Each worker's step result or error. Once a step has failed, the ones still running
         get grace_s more; then they are pinged: one that does not answer (hung: its peers'
-        expert calls timed out) counts as failed, so _find_dead kills it instead of it holding
+        expert calls timed out) gets a StepHung, so _find_dead kills it instead of it holding
         the group forever; one that answers is only slow, and is waited for."""
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
-        return collect_steps(ray, refs, {i: self.names[i] for i in refs}, grace_s, self._silent)
+        return collect_steps(ray, refs, {i: self.names[i] for i in refs}, self.grace_s,
+                             self._silent)
 
     def is_dead(self, worker: int, exc: BaseException) -> bool:
         return worker in self.dead
 
 
     # -- failures -------------------------------------------------------------------------
-    def _silent(self, workers, timeout_s: float = 30.0) -> dict[int, str]:
-        """Ping `workers` in their experts group (answers even mid-step): those that do not
-        answer, with why."""
+    def _silent(self, workers) -> dict[int, str]:
+        """Ping `workers` in their experts group (answers even mid-step), all at once: those
+        that do not answer within ping_timeout_s, with why."""
         import ray
         refs = {i: self.actors[i].alive.options(concurrency_group=EXPERT_GROUP).remote()
                 for i in workers}
         silent = {}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ping_timeout_s
         for i, ref in refs.items():
             try:
                 ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
@@ -146,10 +149,14 @@ class ShardedGroup:
                 silent[i] = type(e).__name__
         return silent
 
-    def _find_dead(self, timeout_s: float = 30.0) -> list[int]:
-        """Ping every live worker; kill and return those that do not answer."""
+    def _find_dead(self, hung=()) -> list[int]:
+        """Ping every live worker; kill and return those that do not answer, and the `hung`
+        ones: their step outlived the grace and they did not answer the ping collect_steps
+        just sent (a second ping would wait out ping_timeout_s again, for the same answer)."""
         import ray
-        silent = self._silent([i for i in range(len(self.actors)) if i not in self.dead], timeout_s)
+        silent = {i: "its step hung and it did not answer a ping" for i in hung}
+        silent.update(self._silent([i for i in range(len(self.actors))
+                                    if i not in self.dead and i not in silent]))
         for i, why in silent.items():
             log.error("worker %s is gone: %s", self.names[i], why)
             ray.kill(self.actors[i], no_restart=True)  # a hung one must not come back

@@ -67,3 +67,73 @@ def test_no_grace_waits_for_every_step_after_a_failure(ray):
     out = collect_steps(ray, {0: step.remote("fail"), 1: step.remote("slow")},
                         {0: "w0", 1: "w1"}, grace_s=math.inf, timeout_s=None)
     assert "bad batch" in str(out[0]) and out[1] == "slow"
+
+
+def _group_of(ray, actors, names):
+    """A ShardedGroup over stand-in actors (no model: replicated experts, metrics off)."""
+    from cluster.ep_group import ShardedGroup
+    from cluster.metrics import JobMetrics
+    g = ShardedGroup.__new__(ShardedGroup)
+    g.sharded, g.metrics, g.actors, g.names = False, JobMetrics(enabled=False), actors, names
+    g.capacities, g.owners, g.dead = [1] * len(actors), [{}] * len(actors), set()
+    g.deaths = g.recoveries = g.experts_moved = 0
+    g.stats_every_s, g._stats_t, g.final_stats = 5.0, 0.0, []
+    return g
+
+
+def test_a_hung_worker_is_pinged_once_not_twice(ray):
+    """Worker 2 hangs (its process stopped) while worker 1's step fails (a peer timed out).
+    collect_steps pinged 2 after the grace (no answer: StepHung), then _find_dead pinged it
+    again with every live worker and waited its ping timeout a second time: recovery took
+    grace + 2 x ping timeout. Now it is pinged once (the others still are, for deaths the
+    step did not show) and recovery takes grace + one ping timeout."""
+    import os
+    import signal
+
+    from cluster.ep_group import WorkerDied
+    from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
+
+    @ray.remote(concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS})
+    class Stand:
+        def __init__(self):
+            self.failures = 0
+
+        def pid(self):
+            return os.getpid()
+
+        def step(self, what):
+            if what == "fail-once" and not self.failures:
+                self.failures += 1
+                raise RuntimeError("expert peer 2 did not answer")
+            if what == "hang":
+                time.sleep(600)
+            return what
+
+        def alive(self):
+            return 1
+
+        def reassign(self, owners, drop_peers=()):
+            return {}
+
+    actors = [Stand.remote() for _ in range(3)]
+    g = _group_of(ray, actors, ["w0", "w1", "w2"])
+    g.grace_s, g.ping_timeout_s = 1.0, 3.0
+    pinged, silent = [], g._silent
+    g._silent = lambda workers, *a: (pinged.append(sorted(workers)), silent(workers, *a))[1]
+    pid = ray.get(actors[2].pid.remote())
+    ray.get(actors[2].step.remote("warm"))  # (its process is up and serving)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = g.step_all({0: "ok", 1: "fail-once", 2: "hang"})
+        took = time.monotonic() - t0
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert out[0] == "ok" and out[1] == "fail-once"  # w1 re-ran its step after the recovery
+    assert isinstance(out[2], WorkerDied) and g.dead == {2} and g.deaths == 1
+    assert pinged == [[2], [0, 1]]  # was [[2], [0, 1, 2]]
+    # grace 1 s + one ping timeout 3 s (+ Ray's calls); twice the ping timeout took >= 7 s
+    assert 4.0 <= took < 6.5, took
