@@ -67,6 +67,9 @@ def run(args) -> int:
         raise UsageError(f"--prompts {args.prompts}: no such file")
     if args.limit is not None and args.limit < 0:
         raise UsageError(f"--limit {args.limit} must be >= 0")
+    if args.stats is not None and args.stats.is_dir():  # (found only after the whole run)
+        raise UsageError(f"--stats {args.stats}: is a directory; give the JSON file to write, "
+                         f"e.g. {args.stats / 'stats.json'}")
     if not args.out.is_absolute() and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
         log.warning("--out %s is relative: under `ray job submit` it lands in the job's copy "
                     "of the working dir (%s) on the head node; give an absolute path on "
@@ -89,5 +92,9 @@ def write_stats(summary, cfg, path: Path) -> None:
                decode_tokens_per_s=st.decode_tokens_per_s,
                overhead_per_decode_step_s=st.overhead_per_decode_step_s,
                workers=summary.workers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=str))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    except OSError as e:  # (the results are written by now: say so)
+        raise UsageError(f"--stats {path}: cannot write it ({e.strerror}); the results are in "
+                         f"{summary.out}") from None

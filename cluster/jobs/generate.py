@@ -66,6 +66,10 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         raise JobConfigError(f"model: {e}") from None
     if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
         raise JobConfigError(f"model {cfg.model}: {why}")
+    if cfg.kv_cache_dir is not None and cfg.kv_cache_dir.exists() and not cfg.kv_cache_dir.is_dir():
+        # (the workers would fail to create it, each with a traceback of its own)
+        raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: exists and is not a directory "
+                             f"(set by --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     done = store.done_keys()
     skipped, errors, items = 0, [], []
@@ -81,6 +85,9 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         (errors if isinstance(p, InputError) else items).append(p)
     if limit is not None:
         items = items[:limit]
+    if not lines:
+        log.warning("--prompts %s: no requests in it (an empty or blank file): nothing to run",
+                    prompts)
     if skipped:
         log.info("%s: %d prompts already done, skipping them", out, skipped)
     if cfg.kv_cache_dir is None and any(p.req.cache is not None for p in items):

@@ -43,6 +43,9 @@ class ResultStore:
         self.flush_every, self.flush_s = flush_every, flush_s
         self._buf: list[Result] = []
         self._last_flush = time.monotonic()
+        if self.out.is_dir():  # (read back as an empty dataset: "missing every column")
+            raise JobConfigError(f"--out {self.out}: is a directory; give the results file to "
+                                 f"write, e.g. {self.out / 'results.parquet'}")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for stale in self.parts.glob("*.tmp") if self.parts.exists() else ():
             stale.unlink()  # a part that was being written when a previous run died

@@ -1,0 +1,76 @@
+"""Plausible user mistakes on the `kvfleet` commands: each is exit 2 with one line that
+names the flag or field and the path, never a traceback (and never a run that reports a
+pass or a plan while ignoring what it was given)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from cluster.cli import main
+from runtime_helpers import ROOT, prompt_lines, write_lines
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+# -- generate -----------------------------------------------------------------------------
+def gen_args(tiny, tmp_path, *extra) -> list[str]:
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    return ["generate", "--prompts", str(prompts), "--model", str(tiny), "--inprocess",
+            "--max-tokens", "2", *extra]
+
+
+def test_generate_out_that_is_a_directory(tiny, tmp_path, capsys):
+    """It read the directory as an empty Parquet dataset and said 'not a kvfleet results
+    file (missing [every column])'."""
+    d = tmp_path / "outdir"
+    d.mkdir()
+    code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(d)))
+    assert code == 2
+    assert f"--out {d}: is a directory; give the results file to write, e.g. {d}/results.parquet" in err
+    assert list(d.iterdir()) == []
+
+
+def test_generate_stats_that_is_a_directory_is_refused_before_the_run(tiny, tmp_path, capsys):
+    """It ran the whole job, then ended in an IsADirectoryError traceback."""
+    d = tmp_path / "statsdir"
+    d.mkdir()
+    out = tmp_path / "out.parquet"
+    code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(out), "--stats", str(d)))
+    assert code == 2 and f"--stats {d}: is a directory" in err
+    assert not out.exists()  # refused before anything ran
+
+
+def test_generate_stats_that_cannot_be_written_names_the_flag(tiny, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = tmp_path / "out.parquet"
+    code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(out),
+                                          "--stats", str(blocker / "stats.json")))
+    assert code == 2 and f"--stats {blocker / 'stats.json'}: cannot write it" in err
+    assert f"the results are in {out}" in err and out.exists()
+
+
+def test_generate_kv_cache_dir_that_is_a_file(tiny, tmp_path, capsys):
+    """A worker failed to create it: a FileExistsError traceback from kvstore/slots.py."""
+    f = tmp_path / "cache"
+    f.write_text("not a dir")
+    code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(tmp_path / "o.parquet"),
+                                          "--kv-cache-dir", str(f)))
+    assert code == 2 and f"kv_cache_dir {f}: exists and is not a directory" in err
+    assert "--kv-cache-dir" in err
+
+
+def test_generate_empty_prompts_file_warns(tiny, tmp_path, caplog):
+    from cluster.jobs.generate import run_generate
+    from runtime_helpers import job_config
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with caplog.at_level("WARNING"):
+        s = run_generate(job_config(tiny), empty, tmp_path / "o.parquet", progress=False)
+    assert s.done == 0
+    assert f"--prompts {empty}: no requests in it" in caplog.text
