@@ -14,8 +14,10 @@ import math
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from cluster.cli import UsageError
+from cluster.config import REPO_ROOT
 from cluster.fleet import Fleet, FleetError, plan_fleet
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import free_bytes
@@ -78,13 +80,60 @@ def _free(specs: list[str]) -> dict[str, int]:
     return out
 
 
+FLEET_ONLY = (("usage", "--usage"), ("experts", "--experts"), ("free_gb", "--free-gb"))
+
+
+def _job_config_hint(path: Path) -> str | None:
+    """What to run instead when `path` is a generate job config (no `nodes`, job fields):
+    the plan of its fleet file, as the job makes it. None when it is not one."""
+    from cluster.config import JobConfig, JobConfigError, load_job_config  # (not at import: cli)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict) or "nodes" in data or not set(data) & set(JobConfig.model_fields):
+        return None
+    head = f"--config {path}: is a job config (kvfleet generate --config), not a fleet file"
+    try:
+        cfg = load_job_config(path, env={})
+    except JobConfigError:
+        return head + " (and not a valid one); pass a fleet file (configs/fleets/*.yaml)"
+    if cfg.workers.fleet is None:
+        return (head + f"; it has no workers.fleet (its {cfg.workers.count} worker(s) are "
+                f"sized by `slots` and max_context alone); pass a fleet file (configs/fleets/*.yaml)")
+    fleet = cfg.workers.fleet if cfg.workers.fleet.is_absolute() else REPO_ROOT / cfg.workers.fleet
+    return (head + f". Its fleet, planned as the job plans it: kvfleet plan --config "
+            f"{_shown(fleet)} --model-config {_shown(cfg.model / 'config.json')} --ctx "
+            f"{cfg.max_context} --kv {cfg.kv}" + (f" --slots {cfg.slots}" if "slots" in data else ""))
+
+
+def _shown(p: Path) -> str:
+    """p relative to the working directory where it lies under it (as a user types it)."""
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 def run(args: argparse.Namespace) -> int:
     _positive("--ctx", args.ctx)
     _positive("--slots", args.slots)
     if args.config is None:
+        given = [flag for attr, flag in FLEET_ONLY if getattr(args, attr)]
+        if given:  # (the pool table does not use them: it would print as if it had)
+            one = len(given) == 1
+            raise UsageError(f"{', '.join(given)} {'applies' if one else 'apply'} to a fleet plan: "
+                             f"pass the fleet file with --config, or leave "
+                             f"{'it' if one else 'them'} out")
         return _pool_only(args)
     try:
-        fleet = Fleet.from_file(args.config)
+        try:
+            fleet = Fleet.from_file(args.config)
+        except FleetError:
+            hint = _job_config_hint(args.config)
+            if hint:
+                raise UsageError(hint) from None
+            raise
         fp = _footprint(args.model_config or fleet.model_path())
         free, probed = _free(args.free_gb), []
         auto = [d.name for d in fleet.devices() if d.node.memory == "auto"]

@@ -74,3 +74,27 @@ def test_generate_empty_prompts_file_warns(tiny, tmp_path, caplog):
         s = run_generate(job_config(tiny), empty, tmp_path / "o.parquet", progress=False)
     assert s.done == 0
     assert f"--prompts {empty}: no requests in it" in caplog.text
+
+# -- plan ---------------------------------------------------------------------------------
+CARD = ROOT / "configs" / "models" / "glm-5.2.json"
+
+
+@pytest.mark.parametrize("flag", [["--usage", "u.npy"], ["--experts", "int4"],
+                                  ["--free-gb", "a/cuda0=10"]])
+def test_plan_without_fleet_refuses_fleet_only_flags(capsys, flag):
+    """The KV-pool table printed as if the flag had been applied (it was ignored: a
+    missing --usage file was not even read)."""
+    code, err = run_cli(capsys, "plan", "--model-config", str(CARD), "--ctx", "1024", *flag)
+    assert code == 2
+    assert f"{flag[0]} applies to a fleet plan" in err and "--config" in err
+
+
+def test_plan_given_a_job_config_points_at_its_fleet(capsys):
+    """`kvfleet plan --config configs/sharded.yaml` listed the job's fields as 'Extra inputs
+    are not permitted' and 'nodes: Field required'."""
+    code, err = run_cli(capsys, "plan", "--config", str(ROOT / "configs" / "sharded.yaml"))
+    assert code == 2
+    assert "is a job config (kvfleet generate --config), not a fleet file" in err
+    assert "configs/fleets/local-sharded.yaml" in err
+    code, err = run_cli(capsys, "plan", "--config", str(ROOT / "configs" / "generate.yaml"))
+    assert code == 2 and "is a job config" in err and "no workers.fleet" in err
