@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", nargs="+", default=TIERS, choices=TIERS)
     p.add_argument("--repeat", type=_at_least_one("--repeat"), default=20)
     p.add_argument("--cpu-divide", type=_at_least_one("--cpu-divide"), default=64,
-                   help="cpu backend: divide every T by this (numpy is slow)")
+                   help="cpu and metal backends: divide every T, --shapes too, by this "
+                   "(numpy is slow; 1 runs the shapes as given)")
     p.add_argument("--breakdown", action="store_true",
                    help="cuda: also time variants that leave stages out (16x32768)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -384,7 +385,8 @@ def bench_cpu(args) -> dict:
                              "repeats": len(times),
                              "GB_per_s": nbytes / t / 1e9,
                              "TFLOP_per_s": B * T * flops_per_token(H) / t / 1e12})
-    return {"backend": "cpu", "rows": rows}
+    return {"backend": "cpu", "cpu_divide": args.cpu_divide,
+            "shapes": [[B, T] for B, T in args.shapes], "rows": rows}
 
 
 def _print_table(res: dict) -> None:
@@ -409,16 +411,40 @@ def _print_table(res: dict) -> None:
             for r in res["breakdown"]:
                 print(f"{r['tier']:5} H={r['H']:<3} " + " ".join(f"{r[n]:8.3f}" for n in names))
     else:
+        asked = ", ".join(f"{B}x{T} -> {B}x{max(BS, T // res['cpu_divide'])}" for B, T in res["shapes"])
+        print(f"numpy backend: T divided by --cpu-divide {res['cpu_divide']} ({asked}); no floor "
+              f"(the floor needs --backend cuda)")
         print(f"{'tier':5} {'BxT':>9} {'H':>3} {'ms':>9} {'GB/s':>7}")
         for r in res["rows"]:
             print(f"{r['tier']:5} {r['B']:>3}x{r['T']:<6} {r['H']:>3} {r['ms']:9.2f} "
                   f"{r['GB_per_s']:7.2f}")
 
 
+def _check_cuda() -> None:
+    """--backend cuda (the default) on a machine without CuPy or a GPU: a UsageError that
+    says what to install or which backend to pick, not an ImportError traceback."""
+    from cluster.cli import UsageError
+    try:
+        import cupy as cp
+    except ImportError:
+        raise UsageError("--backend cuda needs CuPy and an NVIDIA GPU (pip install -e '.[cuda]'); "
+                         "on this machine use --backend cpu (numpy) or --backend metal (MLX)") from None
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError as e:
+        raise UsageError(f"--backend cuda: CuPy finds no CUDA device ({e}); use --backend cpu "
+                         f"or --backend metal") from None
+    if n == 0:
+        raise UsageError("--backend cuda: CuPy finds no CUDA device; use --backend cpu or "
+                         "--backend metal")
+
+
 def run(args) -> int:
     if args.backend == "metal":  # MLX vs numpy: cluster/bench/attention_metal.py
         from cluster.bench import attention_metal
         return attention_metal.run(args)
+    if args.backend == "cuda":
+        _check_cuda()
     res = bench_cuda(args) if args.backend == "cuda" else bench_cpu(args)
     if args.json:
         json.dump(res, sys.stdout, indent=1)

@@ -98,3 +98,23 @@ def test_plan_given_a_job_config_points_at_its_fleet(capsys):
     assert "configs/fleets/local-sharded.yaml" in err
     code, err = run_cli(capsys, "plan", "--config", str(ROOT / "configs" / "generate.yaml"))
     assert code == 2 and "is a job config" in err and "no workers.fleet" in err
+
+# -- bench attention ----------------------------------------------------------------------
+def test_bench_attention_cuda_without_cupy(capsys, monkeypatch):
+    """The default backend on a machine without CuPy was a ModuleNotFoundError traceback."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    code, err = run_cli(capsys, "bench", "attention", "--shapes", "1x16", "--repeat", "1")
+    assert code == 2
+    assert "--backend cuda needs CuPy" in err and "--backend cpu" in err
+
+
+def test_bench_attention_cpu_says_how_t_was_divided(capsys):
+    """--shapes 1x256 printed rows of 1x16 with nothing saying why."""
+    assert main(["bench", "attention", "--backend", "cpu", "--shapes", "1x256", "--heads", "4",
+                 "--tiers", "f32", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "T divided by --cpu-divide 64 (1x256 -> 1x16)" in out and "no floor" in out
+    assert main(["bench", "attention", "--backend", "cpu", "--shapes", "1x256", "--heads", "4",
+                 "--tiers", "f32", "--repeat", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cpu_divide"] == 64 and doc["rows"][0]["T"] == 16
