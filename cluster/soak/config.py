@@ -61,12 +61,15 @@ class SoakArm:
         return where
 
 
+FLAGS = {"A": "--config", "B": "--vs"}  # the `kvfleet soak` flag that gives each arm
+
+
 def load_arm(path: str | Path, key: str = "A") -> SoakArm:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
-        raise UsageError(f"{path}: {e.strerror}") from None
+        raise UsageError(f"{FLAGS.get(key, 'arm ' + key)} {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:

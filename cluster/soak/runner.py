@@ -270,6 +270,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
         raise UsageError(f"--out {plan.out}: not a new or empty directory (an earlier soak's "
                          "rounds there would be resumed, not rerun); give another one")
     expected, own_temperatures = _read_prompts(plan.prompts)
+    if not expected:  # (every round would serve nothing, and the gate pass on nothing)
+        raise UsageError(f"--prompts {plan.prompts}: no requests in it (an empty or blank file)")
     (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
     ignored = sorted(JOB_ENV & set(os.environ))
     if ignored:

@@ -75,6 +75,7 @@ def test_generate_empty_prompts_file_warns(tiny, tmp_path, caplog):
     assert s.done == 0
     assert f"--prompts {empty}: no requests in it" in caplog.text
 
+
 # -- plan ---------------------------------------------------------------------------------
 CARD = ROOT / "configs" / "models" / "glm-5.2.json"
 
@@ -99,6 +100,7 @@ def test_plan_given_a_job_config_points_at_its_fleet(capsys):
     code, err = run_cli(capsys, "plan", "--config", str(ROOT / "configs" / "generate.yaml"))
     assert code == 2 and "is a job config" in err and "no workers.fleet" in err
 
+
 # -- bench attention ----------------------------------------------------------------------
 def test_bench_attention_cuda_without_cupy(capsys, monkeypatch):
     """The default backend on a machine without CuPy was a ModuleNotFoundError traceback."""
@@ -118,3 +120,27 @@ def test_bench_attention_cpu_says_how_t_was_divided(capsys):
                  "--tiers", "f32", "--repeat", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cpu_divide"] == 64 and doc["rows"][0]["T"] == 16
+
+
+# -- soak ---------------------------------------------------------------------------------
+SOAK = ROOT / "configs" / "soak"
+
+
+def test_soak_with_no_prompts_is_refused(tmp_path, capsys):
+    """It ran a round that served nothing and printed 'gate passed' (exit 0)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "soak"
+    code, err = run_cli(capsys, "soak", "--config", str(SOAK / "f32.yaml"), "--prompts",
+                        str(empty), "--rounds", "1", "--out", str(out))
+    assert code == 2 and f"--prompts {empty}: no requests in it" in err
+    assert not out.exists()
+
+
+def test_soak_missing_arm_file_names_its_flag(tmp_path, capsys):
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(1))
+    for flags, name in ((["--config", str(tmp_path / "a.yaml")], "--config"),
+                        (["--config", str(SOAK / "f32.yaml"), "--vs", str(tmp_path / "b.yaml")], "--vs")):
+        code, err = run_cli(capsys, "soak", *flags, "--prompts", str(prompts), "--rounds", "1",
+                            "--out", str(tmp_path / "soak"))
+        assert code == 2 and f"{name} {tmp_path}/" in err and "No such file" in err, err
