@@ -48,6 +48,8 @@ def register(sub) -> None:
 def open_any(path: str):
     """(format name, CacheFile opened with the file's own model and tier, loaded records,
     the header's tag word). A file that load() would throw away whole is a UsageError."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: is a directory; give one KV cache file in it (*.arrow, *.coli_kv)")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file")
     with open(path, "rb") as f:

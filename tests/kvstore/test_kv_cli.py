@@ -129,6 +129,16 @@ def test_inspect_bad_input_exit_2_names_file(tmp_path, capsys):
     assert rc == 2 and "no such file" in err
 
 
+def test_a_directory_is_named_as_one(tmp_path, capsys):
+    """`kv inspect DIR` (e.g. the job's --kv-cache-dir) said 'no such file', as if it were
+    missing."""
+    d = tmp_path / "cache"
+    d.mkdir()
+    for argv in (("inspect", d), ("convert", d, tmp_path / "x.arrow", "--to", "kv8")):
+        rc, _, err = run(capsys, "kv", *argv)
+        assert rc == 2 and f"{d}: is a directory; give one KV cache file in it" in err, err
+
+
 def test_convert_errors(tmp_path, capsys):
     p = tmp_path / "c.arrow"
     write(ArrowKVFile, p, FP, "f32", [records(FP, "f32", 2)])
