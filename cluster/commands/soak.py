@@ -9,6 +9,7 @@ failing metrics are printed), 2 on bad input.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from cluster.cli import UsageError
@@ -52,4 +53,9 @@ def run(args) -> int:
     gate = summary["gate"]
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
           + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
+    if plan.kill_every_s and not summary["faults"]["kills"]:  # (a pass that tested no recovery)
+        print(f"soak: warning: --kill-worker-every {args.kill_worker_every} killed no worker: "
+              f"every round ended before the injector found two live workers (it spares the "
+              f"last one); give a shorter interval, more prompts, or at least two workers",
+              file=sys.stderr)
     return code

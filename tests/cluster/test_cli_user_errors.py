@@ -144,3 +144,23 @@ def test_soak_missing_arm_file_names_its_flag(tmp_path, capsys):
         code, err = run_cli(capsys, "soak", *flags, "--prompts", str(prompts), "--rounds", "1",
                             "--out", str(tmp_path / "soak"))
         assert code == 2 and f"{name} {tmp_path}/" in err and "No such file" in err, err
+
+
+def test_soak_that_killed_no_worker_says_so(tmp_path, capsys, monkeypatch):
+    """With rounds shorter than --kill-worker-every (or one worker), no kill happened and the
+    soak printed 'gate passed' alone: a fault test that tested no recovery."""
+    import cluster.soak.runner as runner
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(1))
+    seen = {}
+
+    def fake_run_soak(plan):
+        seen["kill_every_s"] = plan.kill_every_s
+        return {"rounds": 1, "faults": {"kills": 0}, "gate": {"passed": True, "failures": []}}, 0
+    monkeypatch.setattr(runner, "run_soak", fake_run_soak)
+    argv = ["soak", "--config", str(SOAK / "f32.yaml"), "--prompts", str(prompts), "--rounds", "1",
+            "--out", str(tmp_path / "soak")]
+    code, err = run_cli(capsys, *argv, "--kill-worker-every", "20s")
+    assert code == 0 and seen["kill_every_s"] == 20.0
+    assert "--kill-worker-every 20s killed no worker" in err
+    code, err = run_cli(capsys, *argv)  # no injector asked for: nothing to say
+    assert code == 0 and "killed no worker" not in err
