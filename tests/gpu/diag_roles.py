@@ -85,6 +85,10 @@ SRC = r"""
 #ifndef OSPLIT
 #define OSPLIT 4             // O^T k-steps (of 4) done before waiting for the next S^T to finish
 #endif
+#ifndef XL
+#define XL 0                 // extra ldmatrix.x4 per S^T raw load (timing: is S^T bound by shared memory?)
+#endif
+__device__ unsigned g_sink;  // (XL's loads folded here, stored only if they match a constant)
 #ifndef OW
 #define OW 1                 // O^T groups left in flight at each wait
 #endif
@@ -122,12 +126,19 @@ __device__ __forceinline__ void s_tile(float (&sacc)[CH][32], u32 kb, u64 qt_des
     for (int c = 0; c < CH; ++c)
 #pragma unroll
         for (int i = 0; i < 32; ++i) sacc[c][i] = 0.0f;
+    u32 sink = 0;
     auto raw = [&](u32 (*w)[2], int gi) {
 #pragma unroll
         for (int c = 0; c < SB; c += 2) {
             u32 r[4];
             ldsm_x4(kb + (gi * SB + c) * 16, r);
             w[c][0] = r[0]; w[c][1] = r[1]; w[c + 1][0] = r[2]; w[c + 1][1] = r[3];
+#pragma unroll
+            for (int x = 0; x < XL; ++x) {  // the same rows, other k-steps (conflict-free)
+                u32 e[4];
+                ldsm_x4(kb + ((gi * SB + c + 2 * x + 2) % KS) * 16, e);
+                sink ^= e[0] ^ e[1] ^ e[2] ^ e[3];
+            }
         }
     };
     u32 w[2][SB][2];
@@ -159,6 +170,7 @@ __device__ __forceinline__ void s_tile(float (&sacc)[CH][32], u32 kb, u64 qt_des
     }
     wg_wait<0>();
     if (!RD) first();
+    if (XL && sink == 0x9E3779B9u) g_sink = sink;
 }
 
 // Softmax of a thread's 32 scores s (scaled, checked against M, exponentials, lsum) into P^T
@@ -481,6 +493,11 @@ def run(defs: dict, nh: int = 256) -> tuple[float, float]:
 CONFIGS = [
     ("lockstep (attn_wg's structure)", dict(LOCK=1)),
     ("lockstep, rope drain", dict(LOCK=1, RD=1)),
+    ("lockstep, XL=1 (extra S^T loads)", dict(LOCK=1, XL=1)),
+    ("lockstep, XL=2", dict(LOCK=1, XL=2)),
+    ("lockstep, XL=4", dict(LOCK=1, XL=4)),
+    ("S^T alone, XL=2", dict(S=1, X=0, O=0, XL=2)),
+    ("S^T alone, XL=4", dict(S=1, X=0, O=0, XL=4)),
     ("seesaw", dict(SEE=1)),
     ("seesaw, OFF=400", dict(SEE=1, OFF=400)),
     ("seesaw, OFF=800", dict(SEE=1, OFF=800)),
