@@ -91,7 +91,10 @@ def _job_config_hint(path: Path) -> str | None:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
-    if not isinstance(data, dict) or "nodes" in data or not set(data) & set(JobConfig.model_fields):
+    # a job config has a field that no fleet file has (`model` is in both): a fleet file with
+    # a typo in `nodes` must keep its own error, not be told it is a job config
+    job_only = set(JobConfig.model_fields) - set(Fleet.model_fields)
+    if not isinstance(data, dict) or "nodes" in data or not set(data) & job_only:
         return None
     head = f"--config {path}: is a job config (kvfleet generate --config), not a fleet file"
     try:

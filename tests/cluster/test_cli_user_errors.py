@@ -164,3 +164,14 @@ def test_soak_that_killed_no_worker_says_so(tmp_path, capsys, monkeypatch):
     assert "--kill-worker-every 20s killed no worker" in err
     code, err = run_cli(capsys, *argv)  # no injector asked for: nothing to say
     assert code == 0 and "killed no worker" not in err
+
+
+def test_plan_fleet_file_with_a_typo_keeps_its_own_error(tmp_path, capsys):
+    """A fleet file whose `nodes` is misspelt shares only `model` (and `plan`) with a job
+    config: it was told it 'is a job config (and not a valid one)', hiding the missing
+    `nodes` and the unknown key."""
+    f = tmp_path / "fleet.yaml"
+    f.write_text("model: ../models/x\nplan: {ctx: 4096}\nnode:\n  - {name: host, kind: cpu, memory: 4}\n")
+    code, err = run_cli(capsys, "plan", "--config", str(f))
+    assert code == 2 and "is a job config" not in err
+    assert "nodes" in err and "node" in err.replace("nodes", ""), err
