@@ -174,6 +174,14 @@ def _eos(tok, mcfg) -> set[int]:
 
 
 # -- workers ----------------------------------------------------------------------------
+def _unused_step_timeout(cfg: JobConfig, why: str) -> None:
+    """A step_timeout_s other than the default, given to workers that have no step timeout:
+    say that it does nothing rather than let it look applied."""
+    from cluster.config import Workers
+    if cfg.workers.step_timeout_s != Workers.model_fields["step_timeout_s"].default:
+        log.warning("workers.step_timeout_s=%s is not used: %s", cfg.workers.step_timeout_s, why)
+
+
 def worker_placements(cfg: JobConfig) -> list[tuple[WorkerSpec, dict[str, Any]]]:
     """One (spec, Ray actor options) per worker, as cluster/placement.py places them:
     `workers.count` alike CPU workers, or one per device of the fleet file, by custom
@@ -185,9 +193,12 @@ def worker_placements(cfg: JobConfig) -> list[tuple[WorkerSpec, dict[str, Any]]]
 def _start_workers(cfg: JobConfig):
     if cfg.workers.experts == "sharded" or (cfg.workers.fleet and cfg.workers.runtime == "ray"):
         from cluster.ep_group import start_group  # expert parallel / heterogeneous fleet
+        _unused_step_timeout(cfg, "expert-parallel / fleet workers find a hung one by a ping "
+                                  "once a peer's step fails (cluster/ep_group.py)")
         return start_group(cfg)
     placements = worker_placements(cfg)
     if cfg.workers.runtime == "inprocess":
+        _unused_step_timeout(cfg, "in-process workers run in the job's own process")
         return LocalGroup([Worker(spec) for spec, _ in placements]), lambda: None
     import ray
     started = connect_ray(cfg, placements)

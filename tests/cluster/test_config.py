@@ -212,3 +212,20 @@ def test_generate_hands_the_step_timeout_to_ray_group(monkeypatch):
         cfg = load_job_config(env={}, overrides={"workers": {"count": 2, "step_timeout_s": value}})
         generate._start_workers(cfg)
         assert got == {"step_timeout_s": want, "n": 2}
+
+
+def test_a_step_timeout_that_the_workers_do_not_use_is_said_to_be_unused(monkeypatch, caplog):
+    """Expert-parallel / fleet groups and in-process workers have no step timeout: a
+    workers.step_timeout_s set for them did nothing, silently (the default says nothing)."""
+    import cluster.ep_group
+    from cluster.jobs import generate
+    monkeypatch.setattr(cluster.ep_group, "start_group", lambda cfg: ("group", None))
+    monkeypatch.setattr(generate, "worker_placements", lambda cfg: [])
+    for workers in ({"experts": "sharded"}, {"runtime": "inprocess"}):
+        for value, warned in ((90, True), (0, True), (600, False)):
+            caplog.clear()
+            cfg = load_job_config(env={}, overrides={"workers": dict(workers, step_timeout_s=value)})
+            with caplog.at_level("WARNING", logger="cluster.jobs.generate"):
+                generate._start_workers(cfg)
+            assert ("workers.step_timeout_s" in caplog.text and "is not used" in caplog.text) \
+                == warned, (workers, value, caplog.text)
