@@ -70,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
+def divided(T: int, cpu_divide: int) -> int:
+    """The context length the cpu / metal backends time for a --shapes T (numpy is slow)."""
+    return max(BS, T // cpu_divide)
+
+
 def flops_per_token(H: int) -> int:
     return 2 * H * (DL + DR + DL)
 
@@ -358,7 +363,7 @@ def bench_cpu(args) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     for B, T0 in args.shapes:
-        T = max(BS, T0 // args.cpu_divide)
+        T = divided(T0, args.cpu_divide)
         nb = -(-T // BS)
         for tier_name in args.tiers:
             tier = get_tier(tier_name)
@@ -411,7 +416,7 @@ def _print_table(res: dict) -> None:
             for r in res["breakdown"]:
                 print(f"{r['tier']:5} H={r['H']:<3} " + " ".join(f"{r[n]:8.3f}" for n in names))
     else:
-        asked = ", ".join(f"{B}x{T} -> {B}x{max(BS, T // res['cpu_divide'])}" for B, T in res["shapes"])
+        asked = ", ".join(f"{B}x{T} -> {B}x{divided(T, res['cpu_divide'])}" for B, T in res["shapes"])
         print(f"numpy backend: T divided by --cpu-divide {res['cpu_divide']} ({asked}); no floor "
               f"(the floor needs --backend cuda)")
         print(f"{'tier':5} {'BxT':>9} {'H':>3} {'ms':>9} {'GB/s':>7}")

@@ -24,7 +24,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from cluster.bench.attention import parse_shape
+from cluster.bench.attention import divided, parse_shape
 from cluster.bench.timing import CLOCKS, best_seconds, blas_threads
 from kernels.cpu import attention as cpu_attn
 from kernels.cpu import codecs as cpu_codecs
@@ -106,7 +106,7 @@ def render(res: dict) -> str:
 
 def run(args) -> int:
     """Entry from `kvfleet bench attention --backend metal` (T divided by --cpu-divide)."""
-    shapes = [(B, max(BS, T // args.cpu_divide)) for B, T in args.shapes]
+    shapes = [(B, divided(T, args.cpu_divide)) for B, T in args.shapes]
     res = bench(shapes, args.head_counts, args.tiers, args.repeat)
     print(json.dumps(res, indent=1) if args.json else render(res))
     return 0

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from cluster.soak.summary import completed, describe_returncode  # noqa: E402
+from cluster.soak.summary import completed, describe_returncode, failed  # noqa: E402
 
 COLORS = {"A": "#1f77b4", "B": "#d62728"}
 
@@ -29,7 +29,7 @@ def _over_time(rounds: pd.DataFrame, metrics: list[tuple[str, str]], title: str)
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.2))
     axes = [axes] if len(metrics) == 1 else axes
     t0 = rounds.start_s.min()
-    bad = rounds[rounds.failed.astype(bool)] if "failed" in rounds else rounds.iloc[:0]
+    bad = failed(rounds)
     for ax, (col, label) in zip(axes, metrics):
         for arm, r in completed(rounds).groupby("arm"):
             ax.plot(r.start_s - t0, r[col], "o-", color=COLORS.get(arm), label=f"{arm}")
@@ -66,7 +66,7 @@ def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
     t0 = rounds.start_s.min()
     for arm, r in rounds.groupby("arm"):
         ax.barh(arm, r.end_s - r.start_s, left=r.start_s - t0, color=COLORS.get(arm), alpha=0.5)
-    bad = rounds[rounds.failed.astype(bool)] if "failed" in rounds else rounds.iloc[:0]
+    bad = failed(rounds)
     if len(bad):  # outlined and hatched: the round's run exited non-zero or timed out
         ax.barh(bad.arm, bad.end_s - bad.start_s, left=bad.start_s - t0, fill=False,
                 edgecolor="#b00", hatch="xx", lw=1.5, label="failed round")

@@ -99,6 +99,11 @@ def completed(rounds: pd.DataFrame) -> pd.DataFrame:
     return rounds[~rounds.failed.astype(bool)] if "failed" in rounds else rounds
 
 
+def failed(rounds: pd.DataFrame) -> pd.DataFrame:
+    """The rounds whose run exited non-zero or timed out (none in a table without `failed`)."""
+    return rounds[rounds.failed.astype(bool)] if "failed" in rounds else rounds.iloc[:0]
+
+
 def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
     arms = sorted(rounds.arm.unique())
     out: dict = {"arms": arms, "rounds": int(rounds["round"].nunique()), "metrics": {}}
@@ -134,7 +139,7 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
     out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "recoveries", "lost_requests")
                      if k in rounds}
     if "failed" in rounds:
-        bad = rounds[rounds.failed.astype(bool)]
+        bad = failed(rounds)
         out["faults"]["failed_rounds"] = len(bad)
         out["failed_rounds"] = [{"round": int(r), "arm": a, "returncode": str(rc)}
                                 for r, a, rc in zip(bad["round"], bad.arm, bad.returncode)]
