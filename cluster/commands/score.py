@@ -59,18 +59,19 @@ def score(model, ids: list[int], tier: str = "f32", mode: str = "prefill") -> np
 
 
 def run(args) -> int:
-    from workers.config import ConfigError
+    from workers.config import ConfigError, ModelConfig
     from workers.model import Model
     from workers.safetensors_io import WeightsError
     if not args.model.is_dir():
         raise UsageError(f"--model {args.model}: no such directory")
     if args.out.is_dir():
         raise UsageError(f"--out {args.out}: is a directory; give the .npy file to write")
-    try:
+    try:  # every input is checked before the weights load (the slow part)
+        vocab = ModelConfig.from_file(args.model / "config.json").vocab_size
+        ids = read_ids(args.tokens, vocab)
         model = Model.load(args.model)
     except (ConfigError, WeightsError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
-    ids = read_ids(args.tokens, model.config.vocab_size)
     logits = score(model, ids, args.kv, args.mode)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "wb") as f:  # a path would get ".npy" appended when it lacks one

@@ -93,6 +93,24 @@ def test_score_command_bad_tokens(tiny, tmp_path, capsys, content, match):
     assert __import__("re").search(match, err)
 
 
+def test_score_command_checks_tokens_before_loading_weights(tiny, tmp_path, capsys):
+    """A bad --tokens file failed only after the weights had loaded (minutes for a real
+    checkpoint): a model dir whose weights cannot load shows which input is checked first."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny(), d)
+    (d / "model.safetensors").write_bytes(b"\x00" * 4)  # unloadable weights, a valid config.json
+    bad, good = tmp_path / "bad.json", tmp_path / "good.json"
+    bad.write_text("[1, 512]")
+    good.write_text("[1, 2]")
+    rc = cli_main(["score", "--model", str(d), "--tokens", str(bad), "--out", str(tmp_path / "o.npy")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--tokens {bad}: ids [512] are outside the vocabulary [0, 512)" in err
+    rc = cli_main(["score", "--model", str(d), "--tokens", str(good), "--out", str(tmp_path / "o.npy")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--model {d}:" in err and "model.safetensors" in err
+    assert not (tmp_path / "o.npy").exists()
+
+
 def test_score_command_missing_model(tmp_path, capsys):
     (tmp_path / "t.json").write_text("[1]")
     rc = cli_main(["score", "--model", str(tmp_path / "nope"), "--tokens", str(tmp_path / "t.json"),
