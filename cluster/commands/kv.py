@@ -129,9 +129,10 @@ def _model_check(args, f, tag: int) -> int:
         print(f"resume with {tier.name}: not resumable by kvfleet: {why}")
         return 0
     plan = plan_load(f.path, f.tier.version, tag, f.fp, model_fp, tier)
-    print(f"resume with {tier.name}: {plan.action}" + (f" ({plan.message})" if plan.message else ""))
-    if plan.action == "reject":
+    if plan.action == "reject":  # the verdict on stdout, its reason once, as the error
+        print(f"resume with {tier.name}: reject")
         raise UsageError(plan.message)
+    print(f"resume with {tier.name}: {plan.action}" + (f" ({plan.message})" if plan.message else ""))
     return 0
 
 

@@ -76,10 +76,13 @@ def test_inspect_reports_torn_tail_and_model_check(tmp_path, capsys):
     assert rc == 0 and "resume with kv8: load" in out
     rc, out, err = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m", "--kv", "tq4")
     assert rc == 2 and "KV8=1" in err and str(p) in err
+    # the reason is printed once (it was on stdout in the verdict line and again as the error)
+    assert out.strip().splitlines()[-1] == "resume with tq4: reject" and (out + err).count("KV8=1") == 1
     cfg["num_hidden_layers"] = 5
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     rc, out, err = run(capsys, "kv", "inspect", p, "--model", tmp_path / "m")
     assert rc == 2 and "different model" in err and str(p) in err
+    assert (out + err).count("different model") == 1
 
 
 def _bad_files(tmp_path):
