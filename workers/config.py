@@ -260,12 +260,17 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
          **{k: v for k, v in raw.items() if v is not None or k == "q_lora_rank"}}
     if "n_shared_experts" in raw and raw["n_shared_experts"] is None:
         d["n_shared_experts"] = 0
+    n_layers = _int(d, "num_hidden_layers", source)
+    if raw.get("first_k_dense_replace") is None:
+        # a family default past the last layer (a config with fewer layers than it): transformers
+        # keeps the default and builds every layer dense (no layer_idx >= it); the same model
+        d["first_k_dense_replace"] = min(d["first_k_dense_replace"], n_layers)
     theta, scaling = _rope(d, source)
     cfg = ModelConfig(
         model_type=str(model_type),
         vocab_size=_int(d, "vocab_size", source),
         hidden_size=_int(d, "hidden_size", source),
-        num_hidden_layers=_int(d, "num_hidden_layers", source),
+        num_hidden_layers=n_layers,
         num_attention_heads=_int(d, "num_attention_heads", source),
         q_lora_rank=_int(d, "q_lora_rank", source, optional=True),
         kv_lora_rank=_int(d, "kv_lora_rank", source),

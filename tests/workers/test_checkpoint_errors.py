@@ -351,3 +351,20 @@ def test_left_out_keys_read_as_the_transformers_config_class_has_them(model_type
     assert got == HF_DEFAULTS[model_type]
     assert cfg.rope_scaling is None
     assert [cfg.is_moe_layer(i) for i in range(6)] == [False] * 3 + [True] * 3
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_DEFAULTS))
+def test_fewer_layers_than_the_default_first_k_dense_replace_are_all_dense(model_type):
+    """Two layers and no first_k_dense_replace: the family default 3 was a ConfigError about
+    a key the config never wrote; transformers builds every layer dense (layer_idx >= 3 is
+    never true). An explicit value past the last layer stays an error naming it."""
+    raw = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4,
+               moe_intermediate_size=32, model_type=model_type)
+    cfg = ModelConfig.from_dict(raw, source="x.json")
+    assert cfg.first_k_dense_replace == 2 and [cfg.is_moe_layer(i) for i in range(2)] == [False, False]
+    assert ModelConfig.from_dict({**raw, "first_k_dense_replace": None}) == ModelConfig.from_dict(raw)
+    assert ModelConfig.from_dict({**raw, "num_hidden_layers": 4}).first_k_dense_replace == 3
+    with pytest.raises(ConfigError, match=r"x\.json: first_k_dense_replace=3 exceeds num_hidden_layers=2"):
+        ModelConfig.from_dict({**raw, "first_k_dense_replace": 3}, source="x.json")

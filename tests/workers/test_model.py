@@ -205,3 +205,32 @@ def test_bad_logits_at_is_a_named_error_before_the_cache_is_written(models, logi
     ints = model.forward(IDS, [s] * len(IDS), np.arange(len(IDS)), pool,
                          logits_at=np.array([3, 3, 0], np.uint8))
     assert ints.shape == (3, model.config.vocab_size)
+
+
+def test_model_with_no_moe_layer_runs_and_matches_reference(maker, tmp_path):
+    """A deepseek_v3 config.json with 2 layers and no first_k_dense_replace (default 3): every
+    layer dense, as transformers builds it; it loads (no expert tensors) and matches the
+    reference, which is told the same schedule explicitly."""
+    import json
+    from workers.config import ModelConfig
+    from workers.safetensors_io import save_file
+    raw = maker.base_config(set())
+    raw["num_hidden_layers"] = 2
+    del raw["first_k_dense_replace"]
+    d, ref_dir = tmp_path / "m", tmp_path / "ref"
+    for out, cfg in ((d, raw), (ref_dir, {**raw, "first_k_dense_replace": 2})):
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(cfg))
+    tensors = maker.random_tensors(ModelConfig.from_file(d), seed=3)
+    assert not any(".mlp.experts." in n or ".mlp.gate." in n for n in tensors)
+    for out in (d, ref_dir):
+        save_file(out / "model.safetensors", tensors, "F32")
+    model = Model.load(d)
+    assert [layer.moe for layer in model.layers] == [None, None]
+    pool = new_pool(model)
+    s = pool.alloc_slot()
+    n0 = 9
+    pre = model.forward(IDS[:n0], [s] * n0, np.arange(n0), pool)
+    dec = [model.forward([t], [s], [n0 + j], pool)[0] for j, t in enumerate(IDS[n0:])]
+    ref = reference_logits(ref_dir, IDS)
+    assert rel_err(pre, ref[:n0]) < 1e-5 and rel_err(np.array(dec), ref[n0:]) < 1e-5
