@@ -184,17 +184,31 @@ def _pool_only(args: argparse.Namespace) -> int:
     print(f"{'tier':<8} {'bytes/token':>12} {'KV pool':>12}")
     for t, v in out["tiers"].items():
         mark = " <" if t == tier else ""
-        print(f"{t:<8} {v['kv_bytes_per_token']:>12} {v['kv_pool_bytes'] / GB:>9.1f} GB{mark}")
+        print(f"{t:<8} {v['kv_bytes_per_token']:>12} {size(v['kv_pool_bytes']):>12}{mark}")
     print(f"DSA indexer: {out['indexer_layers']} layers, {out['index_bytes_per_token']} B/token, "
-          f"{out['index_pool_bytes'] / GB:.1f} GB (not in the KV pool)")
+          f"{size(out['index_pool_bytes'])} (not in the KV pool)")
     return 0
 
 
+def size(n: int) -> str:
+    """Bytes in the largest decimal unit (GB = 1e9, as everywhere here) that keeps the figure
+    >= 1, so that a small pool (a tiny model's few MB) does not print as 0.0 GB."""
+    for unit, scale in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _gb_cell(n: int) -> str:
+    """A fleet-table cell in GB; a size that is not zero but rounds to 0.00 shows as <0.01."""
+    return "<0.01" if 0 < n < GB // 200 else f"{n / GB:.2f}"
+
+
 def _table(d: dict) -> str:
-    g = lambda n: f"{n / GB:.2f}"  # noqa: E731
+    g = _gb_cell
     lines = [
         f"model {d['model_type']} ({d['model']}): {d['cached_layers']} cached layers, "
-        f"{d['moe_layers']} MoE layers, {d['routed_experts']} routed experts of {d['expert_bytes'] / 1e6:.1f} MB "
+        f"{d['moe_layers']} MoE layers, {d['routed_experts']} routed experts of {size(d['expert_bytes'])} "
         f"({d['expert_format']})",
         f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token + indexer "
         f"{d['index_bytes_per_token']} B/token; sizes in GB (1e9 bytes)",

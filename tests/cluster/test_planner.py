@@ -49,6 +49,26 @@ def test_cli_pool_json_reproduces_table(capsys):
     assert out["index_pool_bytes"] == 3 * 1000 * 22 * 128 * 4
 
 
+def test_cli_tables_show_small_sizes_of_the_tiny_model(capsys):
+    """The tiny shipped model's pools are a few MB: every tier printed as 0.0 GB, and the
+    fleet table's kv column as 0.00."""
+    mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini" / "config.json"
+    assert main(["plan", "--model-config", str(mini), "--ctx", "2048"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[2:] for line in out.splitlines()[2:]}
+    fp = Footprint.from_file(mini)
+    assert fp.kv_pool_bytes("f32", 1, 2048) == 18_874_368 and rows["f32"] == ["18.9", "MB", "<"]
+    assert fp.kv_pool_bytes("polar2", 1, 2048) == 950_272 and rows["polar2"] == ["950.3", "kB"]
+    assert "0 layers, 0 B/token, 0 B (not in the KV pool)" in out
+    # a fleet table cell that is not zero but below 0.005 GB reads <0.01, not 0.00
+    assert main(["plan", "--config", str(CARDS.parent / "fleets" / "local-sharded.yaml"),
+                 "--model-config", str(mini), "--ctx", "1024", "--kv", "tq4"]) == 0
+    out = capsys.readouterr().out
+    cpu0 = next(line for line in out.splitlines() if line.startswith("host/cpu0")).split()
+    assert cpu0[5:8] == ["<0.01", "0.00", "0.00"]  # kv 4.85 MB; no indexer, no shadow
+    assert "24 routed experts of 73.7 kB (bf16)" in out
+
+
 # --- weight bytes against published checkpoints ----------------------------------------
 
 def test_weights_match_published_checkpoints():
