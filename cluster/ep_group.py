@@ -26,7 +26,7 @@ import numpy as np
 
 from cluster.config import JobConfig
 from cluster.metrics import JobMetrics
-from cluster.placement import Placement, even_rooms, fleet_placements, split_owners
+from cluster.placement import Placement, fleet_placements, split_owners
 from workers.actor import LocalGroup, StepBatch, StepOutput
 from workers.collect import StepHung, collect_steps
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
@@ -187,7 +187,7 @@ class ShardedGroup:
 
     def _move_experts(self, dead: list[int], live: list[int]) -> dict[int, list]:
         """Orphaned experts to the survivors with the most expert room left."""
-        from cluster.planner import assign_experts
+        from cluster.planner import assign_experts, even_rooms
         owners = self.owners[0]
         orphans = np.array([(l, e) for l, o in owners.items() for e in np.flatnonzero(np.isin(o, dead))],
                            np.int32).reshape(-1, 2)

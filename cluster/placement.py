@@ -15,7 +15,8 @@ relative `workers.fleet` resolves against the repo root, as a relative `model` d
 
 Experts (`split_owners`): cluster.planner.split_experts over each device's room for experts
 in the budget plan (free + pinned bytes), so every routed expert has exactly one owner:
-dealt out evenly when an even share fits every device, else most room first (`even_rooms`).
+dealt out evenly when an even share fits every device, else most room first
+(cluster.planner.even_rooms), as `kvfleet plan` shows it.
 """
 from __future__ import annotations
 
@@ -110,18 +111,9 @@ def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[
     eb = fp.expert_bytes("bf16")
     if not sharded:
         return [{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))], eb
-    a = split_experts(fp, even_rooms(rooms, fp.routed_experts, eb), "bf16")
+    a = split_experts(fp, rooms, "bf16")
     owners = {l: np.full(E, -1, np.int32) for l in layers}
     for (l, e), o in zip(a.experts.tolist(), a.owner.tolist()):
         if l in owners:  # MTP layers are not run
             owners[l][e] = o
     return [owners] * len(rooms), eb
-
-
-def even_rooms(rooms: list[int], n_experts: int, expert_bytes: int) -> list[int]:
-    """The rooms the split should see. When an even share of the experts fits every
-    worker, equal rooms (the split deals them out round-robin: the same compute and traffic
-    on every worker); otherwise the real rooms (most room first, as the planner pins).
-    Without this, tiny experts would all go to the one worker with the least KV."""
-    share = -(-n_experts // max(len(rooms), 1)) * expert_bytes
-    return [max(rooms)] * len(rooms) if min(rooms) >= share else list(rooms)

@@ -20,9 +20,10 @@ than SHADOW_FLOOR_GB gets none: on a 24 GB card the shadow of a single 128k GLM-
 (6 GB) is a quarter of memory, better spent on the pool and pinned experts; such a device
 uploads host rows straight into its pool. CPU and Metal devices read host memory directly.
 
-Experts are placed by `assign_experts` (also the runtime's expert-parallel split): most
-used first (or spread evenly over the MoE layers when no counts are given), each into the
-worker with the biggest free budget.
+Experts are placed by `split_experts` (also the runtime's expert-parallel split): when an
+even share of them fits every device, dealt out round-robin (the same expert compute on
+every worker, whatever their KV sizes); otherwise most used first (or spread evenly over
+the MoE layers when no counts are given), each into the worker with the biggest free budget.
 """
 from __future__ import annotations
 
@@ -131,13 +132,35 @@ def assign_experts(capacities: Sequence[int], expert_bytes: int, experts: np.nda
     return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, pinned)
 
 
+def even_rooms(rooms: Sequence[int], n_experts: int, expert_bytes: int) -> list[int]:
+    """The rooms the split should see. When an even share of the experts fits every
+    worker, equal rooms (the split deals them out round-robin: the same compute and traffic
+    on every worker); otherwise the real rooms (most room first, every expert pinned that fits).
+    Without this, tiny experts would all go to the one worker with the least KV."""
+    return [max(rooms)] * len(rooms) if fits_evenly(rooms, n_experts, expert_bytes) else list(rooms)
+
+
+def fits_evenly(rooms: Sequence[int], n_experts: int, expert_bytes: int) -> bool:
+    """Whether an even share of n_experts (rounded up) fits the room of every worker."""
+    return len(rooms) > 0 and min(rooms) >= -(-n_experts // len(rooms)) * expert_bytes
+
+
 def split_experts(fp: Footprint, capacities: Sequence[int], experts: str | WeightFormat = "bf16",
                   usage: np.ndarray | None = None) -> ExpertAssignment:
-    """Expert-parallel split for the runtime: every routed (layer, expert) of `fp` to exactly
-    one of the workers, whose free bytes for experts are `capacities` (e.g. DevicePlan
-    free_bytes + pinned_bytes of a plan); most used first into the biggest free budget."""
+    """Expert-parallel split, the same for the plan and the runtime: every routed (layer,
+    expert) of `fp` to exactly one of the workers, whose free bytes for experts are
+    `capacities` (e.g. DevicePlan free_bytes + pinned_bytes of a plan). Dealt out evenly
+    when an even share fits every worker (`even_rooms`), else most used first into the
+    biggest free budget."""
     order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
-    return assign_experts(capacities, fp.expert_bytes(experts), order)
+    eb = fp.expert_bytes(experts)
+    if fits_evenly(capacities, len(order), eb):
+        # every expert is pinned, so the order only decides who serves what: layer by layer,
+        # so that every worker gets a share of every MoE layer, as vLLM's and SGLang's EP
+        # splits do (dealing `order`, which cycles through the layers, gave each worker
+        # whole layers: all of layer w to worker w when there are as many layers as workers)
+        order = order[np.lexsort((order[:, 1], order[:, 0]))]
+    return assign_experts(even_rooms(capacities, len(order), eb), eb, order)
 
 
 @dataclass(frozen=True)
@@ -188,6 +211,7 @@ class Plan:
     expert_bytes: int
     devices: tuple[DevicePlan, ...]
     host: np.ndarray = field(repr=False)  # [n, 2] experts pinned nowhere
+    experts_even: bool = False  # an even share fitted every device: dealt out round-robin
 
     @property
     def warnings(self) -> list[str]:
@@ -202,7 +226,7 @@ class Plan:
             "cached_layers": fp.cached_layers, "moe_layers": len(layers),
             "routed_experts": fp.routed_experts,
             "pinned_experts": int(sum(len(d.pinned) for d in self.devices)),
-            "host_experts": int(len(self.host)),
+            "host_experts": int(len(self.host)), "experts_even": self.experts_even,
             "kv_bytes_per_token": fp.kv_bytes_per_token(self.tier),
             "index_bytes_per_token": fp.index_bytes_per_token,
             "devices": [d.to_dict(layers) for d in self.devices],
@@ -252,11 +276,12 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
         fixed.append((kv, idx, sh))
         rooms.append(dev.capacity - dense - kv - idx - sh)
     a = split_experts(fp, rooms, fmt, usage)
+    even = fits_evenly(rooms, fp.routed_experts, eb)
     host = a.experts[~a.pinned]
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
                    int((a.pinned & (a.owner == w)).sum()) * eb, len(host),
                    {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers})
         for w, (dev, (kv, idx, sh)) in enumerate(zip(devices, fixed)))
-    return Plan(fp, tier, ctx, fmt, eb, plans, host)
+    return Plan(fp, tier, ctx, fmt, eb, plans, host, even)
 

@@ -221,8 +221,11 @@ def _table(d: dict) -> str:
             f"{v['name']:<22}{v['kind']:<6}{v['slots']:>5}{g(v['budget_bytes']):>9}{g(v['dense_bytes']):>8}"
             f"{g(v['kv_pool_bytes']):>8}{g(v['index_bytes']):>7}{g(v['shadow_bytes']):>7}"
             f"{v['pinned_experts']:>8}{g(v['pinned_expert_bytes']):>8}{g(v['free_bytes']):>8}  {ctxs}")
+    how = "" if len(d["devices"]) < 2 else (
+        "; dealt out evenly (an even share fits every device)" if d["experts_even"] else
+        "; most room first (an even share does not fit every device)")
     lines.append(f"experts: {d['pinned_experts']} of {d['routed_experts']} pinned on devices, "
-                 f"{d['host_experts']} served from host memory")
+                 f"{d['host_experts']} served from host memory{how}")
     if d["measured_here"]:
         lines.append(f"free memory of 'auto' devices measured on this machine: {', '.join(d['measured_here'])}")
     lines += [f"warning: {w}" for w in d["warnings"]]

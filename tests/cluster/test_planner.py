@@ -280,6 +280,31 @@ def test_split_experts_for_the_runtime():
     assert left.max() - left.min() <= eb + 7
 
 
+def test_plan_deals_tiny_experts_evenly_as_the_job_splits_them(capsys):
+    """configs/fleets/local-sharded.yaml with kvfleet-mini: the plan pinned all 24 experts on
+    the metal worker (2 slots: the least KV, so the most free bytes, for every expert in
+    turn) while the job's split deals them out 8 / 8 / 8; plan and job now split alike."""
+    from cluster.fleet import Fleet, plan_fleet
+    mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini" / "config.json"
+    fleet, fp = Fleet.from_file(CARDS.parent / "fleets" / "local-sharded.yaml"), Footprint.from_file(mini)
+    p = plan_fleet(fleet, fp, tier="tq4", ctx=1024, experts="bf16")
+    assert [d.kv_pool_bytes for d in p.devices] == [4 * 1024 * 4 * 296] * 2 + [2 * 1024 * 4 * 296]
+    assert [len(d.pinned) for d in p.devices] == [8, 8, 8] and not len(p.host) and p.experts_even
+    rooms = [d.free_bytes + d.pinned_bytes for d in p.devices]  # what placement gives the job
+    job = split_experts(fp, rooms, "bf16")
+    for w, d in enumerate(p.devices):
+        assert sorted(map(tuple, d.pinned.tolist())) == sorted(map(tuple, job.shard(w).tolist()))
+        assert sorted(d.to_dict(fp.moe_layers)["pinned_per_layer"].values()) == [2, 3, 3]
+    assert main(["plan", "--config", str(CARDS.parent / "fleets" / "local-sharded.yaml"), "--model-config",
+                 str(mini), "--ctx", "1024", "--kv", "tq4"]) == 0
+    assert "24 of 24 pinned on devices, 0 served from host memory; dealt out evenly" in capsys.readouterr().out
+    # when an even share does not fit every device, most room first (as before)
+    base, eb = fp.dense_bytes + fp.kv_pool_bytes("f32", 1, 16), fp.expert_bytes("bf16")
+    small = [DeviceBudget("a", "cpu", base + 10 * eb), DeviceBudget("b", "cpu", base + 20 * eb)]
+    q = plan(fp, small, tier="f32", ctx=16)  # 12 each does not fit a: b fills to a's level first
+    assert not q.experts_even and [len(d.pinned) for d in q.devices] == [7, 17] and not len(q.host)
+
+
 def test_ctx_past_max_position_warns():
     p = plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=200_000)
     assert p.to_dict()["warnings"] == ["ctx 200000 exceeds the model's max_position_embeddings 163840"]

@@ -217,7 +217,8 @@ def test_three_node_fleet_sharded_matches_single_worker(tiny, tmp_path, referenc
 def test_placements_by_kind_resource_and_admission_by_capacity(tiny, tmp_path):
     """Fleet devices without resources ask for kvfleet_<kind> (cuda adds a GPU only beside
     it); new requests go to the worker with the largest free share of its slots."""
-    from cluster.placement import even_rooms, fleet_placements
+    from cluster.placement import fleet_placements
+    from cluster.planner import even_rooms
     from scheduler_fakes import EOS, FakeModel, FakePool, decode
     from test_scheduler import prep, prompts
     from workers.actor import Worker
