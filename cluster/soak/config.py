@@ -12,6 +12,12 @@ section that only the soak reads.
         max_lost_requests: 0         # requests with no result (e.g. after a worker kill)
         max_errors: null             # error rows per round
         max_failed_rounds: 0         # rounds whose generate run exited non-zero or timed out
+
+    null turns a rule off. An enabled rule with nothing to check fails (missing data never
+    passes: no measured throughput ratio, no greedy prompt-round compared, parity not
+    evaluated because no prompt-round was served by both arms).
+    Whatever the rules say, an arm with no request finished with stop or length in any round
+    fails the gate (e.g. every prompt line invalid): a soak that served nothing tested nothing.
 """
 from __future__ import annotations
 

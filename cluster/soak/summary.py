@@ -26,7 +26,11 @@ arm's job temperature when it gives none) is not compared token by token, nor on
 else (seeded sampling from two builds' slightly different distributions diverges at the
 first differing draw, and one prompt-round is no sample of a distribution): it counts only in
 the served, lost and error counts and the timings, and the parity summary says how many there
-were (`sampled`).
+were (`sampled`). `greedy` is decided from the prompt-rounds both arms served; with none (an
+arm served no row at all) it is None, not evaluated, and the gate fails the parity rule.
+
+Each arm's `ok_requests` counts its rows that finished with stop or length, failed rounds
+included; an arm with none served nothing, and the gate fails it whatever its thresholds.
 """
 from __future__ import annotations
 
@@ -90,6 +94,8 @@ def parity_table(requests: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["round", "id", "first_diff", "compared", "sampled"])
 
 
+OK_FINISH = ("stop", "length")  # a request served successfully; "error" is the other reason
+
 # per-round counts that account for what was served, failed rounds included (not performance)
 ACCOUNTING = frozenset({"errors"})
 
@@ -119,6 +125,10 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
         out["metrics"][arm]["request_ttft_s"] = _stats(q.ttft_s)
         out["metrics"][arm]["request_decode_tok_s"] = _stats(q.decode_tokens_per_s)
         out["metrics"][arm]["completed_rounds"] = len(rd)
+        # rows that finished with stop or length, in any round (failed ones too): an arm
+        # with none served nothing, and the gate fails it whatever its other rules say
+        out["metrics"][arm]["ok_requests"] = int(
+            requests.finish_reason[requests.arm == arm].isin(OK_FINISH).sum()) if len(requests) else 0
     if "B" in arms:
         a = done[done.arm == "A"].set_index("round")
         b = done[done.arm == "B"].set_index("round")
@@ -132,8 +142,11 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
         out["ratio_B_over_A"] = ratios
         par = parity_table(requests)
         diffs = par[par.compared & par.first_diff.notna()]
-        # greedy: some line is greedy in both arms, so parity applies (and must be measured)
-        out["parity"] = {"greedy": bool((~par.sampled).any()), "compared": int(par.compared.sum()),
+        # greedy: some line is greedy in both arms, so parity applies (and must be measured);
+        # None when no prompt-round was served by both arms (an arm served no row at all):
+        # then nothing says which lines were greedy, and the gate fails the parity rule
+        greedy = bool((~par.sampled).any()) if len(par) else None
+        out["parity"] = {"greedy": greedy, "compared": int(par.compared.sum()),
                          "sampled": int(par.sampled.sum()), "breaks": int(len(diffs)),
                          "first_diff_min": None if diffs.empty else int(diffs.first_diff.min())}
     out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "recoveries", "lost_requests")
@@ -176,16 +189,28 @@ def apply_gate(summary: dict, gate) -> list[GateFailure]:
     """Check a summary against a gate (an object with min_throughput_ratio,
     max_parity_breaks, max_lost_requests, max_errors, max_failed_rounds; None disables a
     rule). A failed round (its run exited non-zero or timed out) counts against
-    max_failed_rounds even when every request it was given had been served. With a B arm,
-    a throughput ratio that no round measured, or greedy parity with no prompt-round compared,
-    fails its rule: missing data never passes."""
+    max_failed_rounds even when every request it was given had been served.
+
+    Missing data never passes: with a B arm, a throughput ratio that no round pair measured,
+    greedy parity with no prompt-round compared, or parity not evaluated because no
+    prompt-round was served by both arms, fails its rule. And an arm none of
+    whose requests finished with stop or length in any round fails the gate whatever the
+    rules say (no rule turns this off): a soak that served nothing tested nothing, e.g. one
+    whose prompt lines were all invalid, which max_errors (null by default) lets through."""
     fails = []
+    for arm, m in summary["metrics"].items():
+        if not m.get("ok_requests"):
+            fails.append(GateFailure(f"successful requests ({arm}: no request of any round "
+                                     "finished with stop or length)", m.get("ok_requests"), 1, "<"))
     ratio = summary.get("ratio_B_over_A", {}).get("throughput_tok_s", {}).get("median")
     if (gate.min_throughput_ratio is not None and "ratio_B_over_A" in summary
             and (ratio is None or ratio < gate.min_throughput_ratio)):
         fails.append(GateFailure("throughput ratio B/A (median)", ratio, gate.min_throughput_ratio, "<"))
     par = summary.get("parity")
-    if (gate.max_parity_breaks is not None and par and par["greedy"]
+    if gate.max_parity_breaks is not None and par and par["greedy"] is None:
+        fails.append(GateFailure("greedy parity breaks (not evaluated: no prompt-round was "
+                                 "served by both arms)", None, gate.max_parity_breaks, ">"))
+    elif (gate.max_parity_breaks is not None and par and par["greedy"]
             and (par["compared"] == 0 or par["breaks"] > gate.max_parity_breaks)):
         fails.append(GateFailure("greedy parity breaks", par["breaks"] if par["compared"] else None,
                                  gate.max_parity_breaks, ">"))

@@ -265,3 +265,47 @@ def test_rounds_rows_carry_the_temperature_each_line_ran_at(tmp_path):
     cfg = tmp_path / "hot.yaml"
     cfg.write_text("sampling: {temperature: 0.6}\n")
     assert load_arm(cfg).temperature == 0.6
+
+
+INVALID_ONLY_GENERATE = """\
+# generate on prompts whose every line is invalid: one input-error row a line, exit 0
+import sys
+import pyarrow as pa, pyarrow.parquet as pq
+out = sys.argv[sys.argv.index("--out") + 1]
+pq.write_table(pa.Table.from_pylist([
+    {"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: malformed JSON",
+     "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (1, 2)]), out)
+"""
+
+
+def test_a_soak_of_only_invalid_prompt_lines_fails_the_default_gate(tmp_path, monkeypatch):
+    """Every prompt line malformed: each round's rows are input errors, which count as
+    served, every run exits 0, and max_errors is null by default: the single-arm soak
+    passed (exit 0) having served nothing."""
+    import ray
+    import ray.util.metrics
+
+    class NoCounter:
+        def __init__(self, *a, **kw):
+            pass
+
+        def inc(self, value, tags):
+            pass
+
+    monkeypatch.setattr(ray.util.metrics, "Counter", NoCounter)
+    build = tmp_path / "build"
+    (build / "cluster").mkdir(parents=True)
+    (build / "cluster" / "__main__.py").write_text(INVALID_ONLY_GENERATE)
+    cfg = tmp_path / "arm.yaml"
+    cfg.write_text("kv: kv8\nsoak:\n  working_dir: build\n")
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"id": "a", "prompt": \n{"prompt": 3}\n')
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: type("Ctx", (), {"gcs_address": "127.0.0.1:1"})())
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=prompts, out=tmp_path / "soak", rounds=2)
+    summary, code = runner.run_soak(plan)
+    assert summary["faults"]["lost_requests"] == 0 and summary["faults"]["failed_rounds"] == 0
+    assert code == 1 and summary["gate"]["failures"] == [
+        "successful requests (A: no request of any round finished with stop or length) = 0 < 1"]
+    assert summary["metrics"]["A"]["ok_requests"] == 0

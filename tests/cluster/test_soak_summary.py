@@ -103,9 +103,11 @@ def test_gate_fails_when_no_round_measured_the_throughput_ratio():
 
 
 def test_gate_fails_greedy_parity_when_nothing_was_compared():
-    """Every B row an error: no prompt-round compared, 0 breaks; the parity rule passed."""
+    """A's p1 and B's p0 an error in every round: no prompt-round compared, 0 breaks; the
+    parity rule passed. (Each arm served some line, so the success rule stays quiet.)"""
     requests, rounds = _tables()
-    requests.loc[requests.arm == "B", "finish_reason"] = "error"
+    requests.loc[(requests.arm == "A") & (requests.id == "p1"), "finish_reason"] = "error"
+    requests.loc[(requests.arm == "B") & (requests.id == "p0"), "finish_reason"] = "error"
     s = summarize(requests, rounds)
     assert s["parity"]["compared"] == 0 and s["parity"]["breaks"] == 0
     gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=0, max_lost_requests=None,
@@ -195,3 +197,69 @@ def test_performance_figures_come_from_completed_rounds_only():
     gate = SimpleNamespace(min_throughput_ratio=0.95, max_parity_breaks=None, max_lost_requests=0,
                            max_errors=2, max_failed_rounds=None)
     assert [str(f) for f in apply_gate(s, gate)] == ["errors per round (B) = 3 > 2"]
+
+
+def _gate(**rules):
+    """The gate with every rule off but the ones given."""
+    off = dict(min_throughput_ratio=None, max_parity_breaks=None, max_lost_requests=None,
+               max_errors=None, max_failed_rounds=None)
+    return SimpleNamespace(**{**off, **rules})
+
+
+def _all_invalid(arms="A"):
+    """Every prompt line invalid (malformed JSON, a duplicate id): each round's rows are all
+    input-error rows, which count as served, so nothing is lost and no round failed."""
+    requests = pd.DataFrame([{"round": r, "arm": arm, "id": None, "line": n, "completion_tokens": [],
+                              "finish_reason": "error", "error": f"line {n}: malformed JSON",
+                              "ttft_s": None, "decode_tokens_per_s": None, "temperature": 0.0}
+                             for r in range(2) for arm in arms for n in (1, 2)])
+    rounds = pd.DataFrame([{"round": r, "arm": arm, "throughput_tok_s": 0.0, "errors": 2,
+                            "kills": 0, "recoveries": 0, "lost_requests": 0, "returncode": "0",
+                            "failed": False} for r in range(2) for arm in arms])
+    return requests, rounds
+
+
+def test_an_arm_that_served_no_request_successfully_fails_the_gate():
+    """A soak whose prompt lines were all invalid passed the default single-arm gate
+    (max_errors is null by default): nothing lost, no failed round, no ratio to ask for."""
+    from cluster.soak.config import SoakGate
+    requests, rounds = _all_invalid()
+    s = summarize(requests, rounds)
+    assert s["metrics"]["A"]["ok_requests"] == 0
+    want = ["successful requests (A: no request of any round finished with stop or length) = 0 < 1"]
+    assert [str(f) for f in apply_gate(s, SoakGate())] == want
+    assert [str(f) for f in apply_gate(s, _gate())] == want  # whatever the other rules say
+    # one good row in one round is enough for this rule (max_errors is there for the rest)
+    requests.loc[0, "finish_reason"] = "stop"
+    s = summarize(requests, rounds)
+    assert s["metrics"]["A"]["ok_requests"] == 1 and apply_gate(s, SoakGate()) == []
+
+
+def test_the_success_rule_names_the_arm_that_served_nothing():
+    requests, rounds = _tables()
+    requests.loc[requests.arm == "B", "finish_reason"] = "error"
+    s = summarize(requests, rounds)
+    assert s["metrics"]["A"]["ok_requests"] == 6 and s["metrics"]["B"]["ok_requests"] == 0
+    assert [str(f) for f in apply_gate(s, _gate())] == [
+        "successful requests (B: no request of any round finished with stop or length) = 0 < 1"]
+
+
+def test_parity_fails_when_an_arm_served_no_rows_at_all():
+    """B's rounds served no row at all (its rows never written; lost requests tolerated):
+    the parity table had no A/B pair, so `greedy` came out False and the parity rule was
+    skipped, while the gate fails any other rule with nothing to check."""
+    requests, rounds = _tables()
+    requests = requests[requests.arm == "A"]
+    rounds.loc[rounds.arm == "B", "lost_requests"] = 2
+    s = summarize(requests, rounds)
+    assert s["parity"]["greedy"] is None and s["parity"]["compared"] == 0
+    fails = [str(f) for f in apply_gate(s, _gate(max_parity_breaks=0))]
+    assert ("greedy parity breaks (not evaluated: no prompt-round was served by both arms) = "
+            "missing (no data to check against 0)") in fails
+    # with the parity rule off, only B's having served nothing is left
+    assert [str(f) for f in apply_gate(s, _gate())] == [
+        "successful requests (B: no request of any round finished with stop or length) = 0 < 1"]
+    # an arm that served only sampled lines still tells parity there was nothing greedy
+    both = _tables()[0].assign(temperature=0.7)
+    assert summarize(both, rounds)["parity"]["greedy"] is False
+
