@@ -15,7 +15,8 @@ section that only the soak reads.
 
     null turns a rule off. An enabled rule with nothing to check fails (missing data never
     passes: no measured throughput ratio, no greedy prompt-round compared, parity not
-    evaluated because no prompt-round was served by both arms).
+    evaluated because no prompt-round was served by both arms, a count not recorded
+    or NaN).
     Whatever the rules say, an arm with no request finished with stop or length in any round
     fails the gate (e.g. every prompt line invalid): a soak that served nothing tested nothing.
 """

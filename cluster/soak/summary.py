@@ -57,8 +57,9 @@ ROUND_METRICS = {
 
 
 def _stats(values) -> dict:
-    v = np.asarray([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))],
-                   dtype=np.float64)
+    """Median, min and max of the finite values (None, NaN, pd.NA and infinities left out)."""
+    v = pd.to_numeric(pd.Series(list(values), dtype=object), errors="coerce").to_numpy(np.float64)
+    v = v[np.isfinite(v)]
     if v.size == 0:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max()),
@@ -185,15 +186,28 @@ class GateFailure:
         return f"{self.metric} = {self.value:g} {self.rule} {self.limit:g}"
 
 
+def _measured(x) -> float | None:
+    """A summary figure the gate may compare, or None when it is missing or not finite (NaN
+    compares False against every limit, so it would pass any rule)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
 def apply_gate(summary: dict, gate) -> list[GateFailure]:
     """Check a summary against a gate (an object with min_throughput_ratio,
     max_parity_breaks, max_lost_requests, max_errors, max_failed_rounds; None disables a
     rule). A failed round (its run exited non-zero or timed out) counts against
     max_failed_rounds even when every request it was given had been served.
 
-    Missing data never passes: with a B arm, a throughput ratio that no round pair measured,
-    greedy parity with no prompt-round compared, or parity not evaluated because no
-    prompt-round was served by both arms, fails its rule. And an arm none of
+    Missing data never passes: an enabled rule whose figure is absent, NaN or infinite fails
+    (with a B arm: a throughput ratio that no round pair measured; greedy parity with no
+    prompt-round compared, or not evaluated because no prompt-round was served by both arms;
+    lost requests, an arm's errors or the failed rounds not recorded). And an arm none of
     whose requests finished with stop or length in any round fails the gate whatever the
     rules say (no rule turns this off): a soak that served nothing tested nothing, e.g. one
     whose prompt lines were all invalid, which max_errors (null by default) lets through."""
@@ -202,7 +216,7 @@ def apply_gate(summary: dict, gate) -> list[GateFailure]:
         if not m.get("ok_requests"):
             fails.append(GateFailure(f"successful requests ({arm}: no request of any round "
                                      "finished with stop or length)", m.get("ok_requests"), 1, "<"))
-    ratio = summary.get("ratio_B_over_A", {}).get("throughput_tok_s", {}).get("median")
+    ratio = _measured(summary.get("ratio_B_over_A", {}).get("throughput_tok_s", {}).get("median"))
     if (gate.min_throughput_ratio is not None and "ratio_B_over_A" in summary
             and (ratio is None or ratio < gate.min_throughput_ratio)):
         fails.append(GateFailure("throughput ratio B/A (median)", ratio, gate.min_throughput_ratio, "<"))
@@ -214,16 +228,18 @@ def apply_gate(summary: dict, gate) -> list[GateFailure]:
             and (par["compared"] == 0 or par["breaks"] > gate.max_parity_breaks)):
         fails.append(GateFailure("greedy parity breaks", par["breaks"] if par["compared"] else None,
                                  gate.max_parity_breaks, ">"))
-    lost = summary.get("faults", {}).get("lost_requests", 0)
-    if gate.max_lost_requests is not None and lost > gate.max_lost_requests:
+    lost = _measured(summary.get("faults", {}).get("lost_requests"))
+    if gate.max_lost_requests is not None and (lost is None or lost > gate.max_lost_requests):
         fails.append(GateFailure("lost requests", lost, gate.max_lost_requests, ">"))
     if gate.max_errors is not None:
         for arm, m in summary["metrics"].items():
-            errs = m.get("errors", {}).get("max")
-            if errs is not None and errs > gate.max_errors:
+            errs = _measured(m.get("errors", {}).get("max"))
+            if errs is None or errs > gate.max_errors:
                 fails.append(GateFailure(f"errors per round ({arm})", errs, gate.max_errors, ">"))
-    failed = summary.get("failed_rounds", [])
-    if gate.max_failed_rounds is not None and len(failed) > gate.max_failed_rounds:
+    failed = summary.get("failed_rounds")
+    if gate.max_failed_rounds is not None and failed is None:
+        fails.append(GateFailure("failed rounds", None, gate.max_failed_rounds, ">"))
+    elif gate.max_failed_rounds is not None and len(failed) > gate.max_failed_rounds:
         which = ", ".join(f"round {f['round']} {f['arm']}: {describe_returncode(f['returncode'])}"
                           for f in failed[:4]) + (", ..." if len(failed) > 4 else "")
         fails.append(GateFailure(f"failed rounds ({which})", len(failed), gate.max_failed_rounds, ">"))

@@ -263,3 +263,35 @@ def test_parity_fails_when_an_arm_served_no_rows_at_all():
     both = _tables()[0].assign(temperature=0.7)
     assert summarize(both, rounds)["parity"]["greedy"] is False
 
+
+def test_gate_rules_fail_on_missing_or_nan_data():
+    """Each rule passed when its input was absent: lost requests read as 0 without a
+    `lost_requests` column, an arm without `errors` skipped max_errors, no `failed` column
+    skipped max_failed_rounds; a NaN figure compared False against every limit."""
+    requests, rounds = _tables()
+    s = summarize(requests, rounds.drop(columns=["lost_requests", "errors"]))
+    assert [str(f) for f in apply_gate(s, _gate(max_lost_requests=0, max_errors=0,
+                                                max_failed_rounds=0))] == [
+        "lost requests = missing (no data to check against 0)",
+        "errors per round (A) = missing (no data to check against 0)",
+        "errors per round (B) = missing (no data to check against 0)",
+        "failed rounds = missing (no data to check against 0)"]
+    s = summarize(requests, rounds)
+    s["ratio_B_over_A"]["throughput_tok_s"]["median"] = float("nan")
+    s["faults"]["lost_requests"] = float("nan")
+    s["metrics"]["B"]["errors"]["max"] = float("nan")
+    assert [str(f) for f in apply_gate(s, _gate(min_throughput_ratio=0.5, max_lost_requests=0,
+                                                max_errors=5))] == [
+        "throughput ratio B/A (median) = missing (no data to check against 0.5)",
+        "lost requests = missing (no data to check against 0)",
+        "errors per round (B) = missing (no data to check against 5)"]
+
+
+def test_stats_leave_out_nan_inf_and_na_of_any_type():
+    """The NaN filter knew only Python floats: an np.float32 NaN gave a NaN median (which
+    compares False against every gate limit), an infinity stayed in, and pd.NA raised."""
+    from cluster.soak.summary import _stats
+    assert _stats([np.float32("nan"), np.float32(1.0), 3.0, np.inf]) == {
+        "median": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+    assert _stats([None, pd.NA, float("nan"), -np.inf])["median"] is None
+    assert _stats(pd.Series([4, None], dtype="Int64")) == {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}
