@@ -187,7 +187,7 @@ class ShardedGroup:
 
     def _move_experts(self, dead: list[int], live: list[int]) -> dict[int, list]:
         """Orphaned experts to the survivors with the most expert room left."""
-        from cluster.planner import assign_experts, even_rooms
+        from cluster.planner import assign_experts, deal_evenly
         owners = self.owners[0]
         orphans = np.array([(l, e) for l, o in owners.items() for e in np.flatnonzero(np.isin(o, dead))],
                            np.int32).reshape(-1, 2)
@@ -195,7 +195,9 @@ class ShardedGroup:
             return {}
         held = {i: sum(int((o == i).sum()) for o in owners.values()) for i in live}
         rooms = [self.room[i] - held[i] * self.expert_bytes for i in live]
-        a = assign_experts(even_rooms(rooms, len(orphans), self.expert_bytes), self.expert_bytes, orphans)
+        a = deal_evenly(rooms, self.expert_bytes, orphans)  # (orphans come layer by layer)
+        if a is None:
+            a = assign_experts(rooms, self.expert_bytes, orphans)
         new = {l: o.copy() for l, o in owners.items()}
         moved: dict[int, list] = {}
         for (l, e), k in zip(orphans.tolist(), a.owner.tolist()):

@@ -15,8 +15,8 @@ relative `workers.fleet` resolves against the repo root, as a relative `model` d
 
 Experts (`split_owners`): cluster.planner.split_experts over each device's room for experts
 in the budget plan (free + pinned bytes), so every routed expert has exactly one owner:
-dealt out evenly when an even share fits every device, else most room first
-(cluster.planner.even_rooms), as `kvfleet plan` shows it.
+dealt out evenly when an even share fits every device (cluster.planner.deal_evenly), else
+most room first, as `kvfleet plan` shows it.
 """
 from __future__ import annotations
 

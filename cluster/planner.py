@@ -82,6 +82,7 @@ class ExpertAssignment:
     experts: np.ndarray  # [N, 2] int32 (layer, expert), in placement order
     owner: np.ndarray    # [N] int32 worker index
     pinned: np.ndarray   # [N] bool
+    even: bool = False   # dealt out round-robin (deal_evenly): an even share fitted every worker
 
     def shard(self, worker: int, pinned_only: bool = False) -> np.ndarray:
         keep = self.owner == worker
@@ -132,17 +133,21 @@ def assign_experts(capacities: Sequence[int], expert_bytes: int, experts: np.nda
     return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, pinned)
 
 
-def even_rooms(rooms: Sequence[int], n_experts: int, expert_bytes: int) -> list[int]:
-    """The rooms the split should see. When an even share of the experts fits every
-    worker, equal rooms (the split deals them out round-robin: the same compute and traffic
-    on every worker); otherwise the real rooms (most room first, every expert pinned that fits).
-    Without this, tiny experts would all go to the one worker with the least KV."""
-    return [max(rooms)] * len(rooms) if fits_evenly(rooms, n_experts, expert_bytes) else list(rooms)
-
-
-def fits_evenly(rooms: Sequence[int], n_experts: int, expert_bytes: int) -> bool:
-    """Whether an even share of n_experts (rounded up) fits the room of every worker."""
-    return len(rooms) > 0 and min(rooms) >= -(-n_experts // len(rooms)) * expert_bytes
+def deal_evenly(capacities: Sequence[int], expert_bytes: int, experts: np.ndarray) -> ExpertAssignment | None:
+    """Deal `experts` out round-robin, each worker its share n // W or, for the n % W workers
+    with the most room (ties: lower index), one more, when every worker's share fits its
+    capacity: the same expert compute on every worker whatever their KV sizes (without this,
+    tiny experts would all go to the one worker with the least KV). None when a share does
+    not fit; then `assign_experts` pins most room first."""
+    w_n, n = len(capacities), len(experts)
+    if expert_bytes <= 0 or not w_n:
+        raise PlanError(f"need expert_bytes > 0 and at least one worker, got {expert_bytes=}, {w_n} workers")
+    turn = sorted(range(w_n), key=lambda w: -int(capacities[w]))  # (stable: ties keep index order)
+    q, r = divmod(n, w_n)
+    if any(int(capacities[w]) < (q + (i < r)) * expert_bytes for i, w in enumerate(turn)):
+        return None
+    owner = np.asarray(turn, np.int32)[np.arange(n) % w_n]
+    return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, np.ones(n, bool), even=True)
 
 
 def split_experts(fp: Footprint, capacities: Sequence[int], experts: str | WeightFormat = "bf16",
@@ -150,17 +155,16 @@ def split_experts(fp: Footprint, capacities: Sequence[int], experts: str | Weigh
     """Expert-parallel split, the same for the plan and the runtime: every routed (layer,
     expert) of `fp` to exactly one of the workers, whose free bytes for experts are
     `capacities` (e.g. DevicePlan free_bytes + pinned_bytes of a plan). Dealt out evenly
-    when an even share fits every worker (`even_rooms`), else most used first into the
-    biggest free budget."""
+    when an even share fits every worker (`deal_evenly`), else most used first into the
+    biggest free budget (`assign_experts`)."""
     order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
     eb = fp.expert_bytes(experts)
-    if fits_evenly(capacities, len(order), eb):
-        # every expert is pinned, so the order only decides who serves what: layer by layer,
-        # so that every worker gets a share of every MoE layer, as vLLM's and SGLang's EP
-        # splits do (dealing `order`, which cycles through the layers, gave each worker
-        # whole layers: all of layer w to worker w when there are as many layers as workers)
-        order = order[np.lexsort((order[:, 1], order[:, 0]))]
-    return assign_experts(even_rooms(capacities, len(order), eb), eb, order)
+    # dealt evenly every expert is pinned, so the order only decides who serves what: layer by
+    # layer, so that every worker gets a share of every MoE layer, as vLLM's and SGLang's EP
+    # splits do (dealing `order`, which cycles through the layers, gave each worker whole
+    # layers: all of layer w to worker w when there are as many layers as workers)
+    even = deal_evenly(capacities, eb, order[np.lexsort((order[:, 1], order[:, 0]))])
+    return even if even is not None else assign_experts(capacities, eb, order)
 
 
 @dataclass(frozen=True)
@@ -276,12 +280,11 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
         fixed.append((kv, idx, sh))
         rooms.append(dev.capacity - dense - kv - idx - sh)
     a = split_experts(fp, rooms, fmt, usage)
-    even = fits_evenly(rooms, fp.routed_experts, eb)
     host = a.experts[~a.pinned]
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
                    int((a.pinned & (a.owner == w)).sum()) * eb, len(host),
                    {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers})
         for w, (dev, (kv, idx, sh)) in enumerate(zip(devices, fixed)))
-    return Plan(fp, tier, ctx, fmt, eb, plans, host, even)
+    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even)
 

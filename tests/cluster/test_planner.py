@@ -327,3 +327,25 @@ def test_context_is_counted_in_whole_blocks_as_the_pool_holds_it():
     with pytest.raises(PlanError, match="exceed its budget"):
         plan(fp, [DeviceBudget("d", "cpu", fp.dense_bytes + slots * ctx * per, 0, slots)],
              tier="f32", ctx=ctx)
+
+
+def test_even_share_with_a_remainder_goes_to_the_roomiest_workers():
+    """24 kvfleet-mini experts (3 MoE layers x 8) on 5 workers: shares 5, 5, 5, 5, 4. The
+    old test asked every worker for room for the rounded-up share (5), so one worker with
+    room for exactly 4 sent the split to most room first, and the roomy worker took all 24;
+    the remainder now goes to the workers with the most room, wherever they stand."""
+    mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini" / "config.json"
+    fp = Footprint.from_file(mini)
+    eb, n = fp.expert_bytes("bf16"), fp.routed_experts
+    for rooms in ([100 * eb, 4 * eb, 5 * eb, 5 * eb, 5 * eb], [5 * eb, 5 * eb, 4 * eb, 5 * eb, 100 * eb]):
+        a = split_experts(fp, rooms, "bf16")
+        counts = np.bincount(a.owner, minlength=5)
+        assert sorted(counts.tolist()) == [4, 5, 5, 5, 5] and a.pinned.all() and a.even
+        assert counts[rooms.index(4 * eb)] == 4 and (counts * eb <= np.array(rooms)).all()
+        shards = [a.shard(w) for w in range(5)]  # each (layer, expert) exactly once, layer by layer
+        both = np.concatenate(shards)
+        assert len(both) == n and len({tuple(x) for x in both.tolist()}) == n
+        assert all((np.diff(s[:, 0] * 1000 + s[:, 1]) > 0).all() for s in shards)
+    # a share that does not fit one worker at all: most room first, as before
+    a = split_experts(fp, [100 * eb, 3 * eb, 5 * eb, 5 * eb, 5 * eb], "bf16")
+    assert not a.even and np.bincount(a.owner, minlength=5).tolist() == [24, 0, 0, 0, 0]
