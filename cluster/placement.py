@@ -7,7 +7,10 @@ num_gpus=1 only together with those (Ray also counts Apple GPUs as GPUs). Withou
 `workers.count` cpu workers with `workers.resources` / `label_selector` as given.
 
 With a fleet, the devices are planned by cluster.fleet.plan_fleet exactly as `kvfleet plan`
-plans them (the fleet's plan.experts and plan.shadow_floor_gb; the job's kv and max_context).
+plans them (the fleet's plan.shadow_floor_gb; the job's kv and max_context), with the
+experts in the format the job loads, workers.weights.EXPERT_FORMAT (bf16: the loader reads
+no int4 or fp8 experts), whatever the fleet's plan.experts says (a warning says when it
+differs); `kvfleet plan --experts bf16` prints that plan.
 A job `slots` that is set (YAML, KVFLEET_SLOTS, --slots) overrides every node's `slots`, as
 `kvfleet plan --slots` does; left unset, each device gets its node's. `workers.count`, when
 set, must equal the number of fleet devices (the fleet gives one worker per device). A
@@ -20,6 +23,7 @@ most room first, as `kvfleet plan` shows it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +31,9 @@ import numpy as np
 
 from cluster.config import REPO_ROOT, JobConfig, JobConfigError
 from workers.actor import WorkerSpec
+from workers.weights import EXPERT_FORMAT
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from cluster.fleet import Fleet
@@ -56,12 +63,17 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
         fleet = Fleet.from_file(w.fleet if w.fleet.is_absolute() else REPO_ROOT / w.fleet)
         _check_count(cfg, fleet)
         p = plan_fleet(fleet, Footprint.from_file(cfg.model), free_bytes,  # "auto": on the driver
-                       tier=cfg.kv, ctx=cfg.max_context, slots=slots)
+                       tier=cfg.kv, ctx=cfg.max_context, experts=EXPERT_FORMAT, slots=slots)
     except FleetError as e:  # also a failed probe of an "auto" device
         raise JobConfigError(f"workers.fleet: {e}") from None
     except PlanError as e:
         why = "" if slots is None else f" (the job's slots={slots} overrides every node's slots)"
         raise JobConfigError(f"workers.fleet {fleet.source}: {e}{why}") from None
+    if fleet.plan.experts != EXPERT_FORMAT:
+        log.warning("workers.fleet %s: plan.experts=%s, but the job loads %s experts (the checkpoint's; "
+                    "workers/weights.py reads no %s experts): planned and split as %s, as `kvfleet plan "
+                    "--experts %s` shows", fleet.source, fleet.plan.experts, EXPERT_FORMAT,
+                    fleet.plan.experts, EXPERT_FORMAT, EXPERT_FORMAT)
     out = []
     for dev, dp in zip(fleet.devices(), p.devices):
         n = dev.node
@@ -108,10 +120,10 @@ def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[
     from cluster.planner import split_experts
     fp = Footprint.from_file(cfg.model)
     E, layers = fp.config.n_routed_experts, [l for l in fp.moe_layers if l < fp.config.num_hidden_layers]
-    eb = fp.expert_bytes("bf16")
+    eb = fp.expert_bytes(EXPERT_FORMAT)
     if not sharded:
         return [{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))], eb
-    a = split_experts(fp, rooms, "bf16")
+    a = split_experts(fp, rooms, EXPERT_FORMAT)
     owners = {l: np.full(E, -1, np.int32) for l in layers}
     for (l, e), o in zip(a.experts.tolist(), a.owner.tolist()):
         if l in owners:  # MTP layers are not run

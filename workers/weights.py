@@ -27,6 +27,10 @@ from workers.safetensors_io import TensorRef, WeightsError, read_header
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+# The routed experts this loader reads, as cluster.footprint sizes them: the bf16 checkpoint.
+# It reads bf16 / fp16 / f32 tensors only (no packed int4 or block-scaled fp8 experts), so a
+# job plans and splits its experts as bf16 whatever a fleet's plan.experts says.
+EXPERT_FORMAT = "bf16"
 SINGLE_FILE = "model.safetensors"
 
 

@@ -24,6 +24,7 @@ from cluster.memory_probe import free_bytes
 from cluster.planner import GB, PlanError
 from kernels.tiers import TIERS
 from workers.config import ConfigError
+from workers.weights import EXPERT_FORMAT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -107,7 +108,8 @@ def _job_config_hint(path: Path) -> str | None:
     fleet = cfg.workers.fleet if cfg.workers.fleet.is_absolute() else REPO_ROOT / cfg.workers.fleet
     return (head + f". Its fleet, planned as the job plans it: kvfleet plan --config "
             f"{_shown(fleet)} --model-config {_shown(cfg.model / 'config.json')} --ctx "
-            f"{cfg.max_context} --kv {cfg.kv}" + (f" --slots {cfg.slots}" if "slots" in data else ""))
+            f"{cfg.max_context} --kv {cfg.kv} --experts {EXPERT_FORMAT}"
+            + (f" --slots {cfg.slots}" if "slots" in data else ""))
 
 
 def _shown(p: Path) -> str:
@@ -157,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     out = p.to_dict()
     out["measured_here"] = probed
+    if p.expert_format.name != EXPERT_FORMAT:  # a plan for another runtime; say what the job does
+        out["warnings"].append(
+            f"experts sized as {p.expert_format.name}; kvfleet generate loads {EXPERT_FORMAT} experts "
+            f"(workers/weights.py reads no {p.expert_format.name} ones) and plans and splits them as "
+            f"{EXPERT_FORMAT}: add --experts {EXPERT_FORMAT} for the plan it runs")
     print(json.dumps(out, indent=2) if args.json else _table(out))
     return 0
 

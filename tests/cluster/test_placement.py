@@ -106,3 +106,45 @@ def test_relative_fleet_resolves_against_the_repo_root(tmp_path, monkeypatch):
     assert [p.spec.name for p in pl] == ["host/cpu0", "host/cpu1", "mac/metal0"]
     with pytest.raises(JobConfigError, match=f"workers.fleet: {REPO_ROOT / 'mine.yaml'}: no such fleet file"):
         fleet_placements(job(workers={"fleet": "mine.yaml"}))
+
+
+def test_int4_fleet_job_and_printed_plan_split_experts_alike(tmp_path, capsys, caplog):
+    """A fleet with plan.experts: int4 whose even share of kvfleet-mini's 24 experts (8 a
+    device) fits two small devices in int4 but not in bf16. The job loads bf16 experts
+    (workers/weights.py reads no int4 ones) and split them as bf16, all 24 on the roomy
+    device, while the plan it was pointed at planned int4 and printed 8 / 8 / 8. The job now
+    plans as bf16 too, the plan command it is pointed at says --experts bf16 and prints
+    the job's split, and the int4 plan warns that it is not what the job runs."""
+    from cluster.footprint import Footprint
+    from cluster.placement import split_owners
+    mini = REPO_ROOT / "models" / "kvfleet-mini"
+    fp = Footprint.from_file(mini / "config.json")
+    eb16, eb4 = fp.expert_bytes("bf16"), fp.expert_bytes("int4")
+    fixed = fp.dense_bytes + fp.kv_pool_bytes("f32", 1, 64)
+    small, big = 8 * eb4 + eb4 // 2, 100 * eb16  # 8 int4 experts fit small, 8 bf16 do not
+    assert 8 * eb4 < small < 8 * eb16
+    node = "  - {{name: {n}, kind: cpu, memory: {gb!r}, reserve_gb: 0, slots: 1}}\n"
+    fleet = write(tmp_path / "int4.yaml", "plan: {ctx: 64, kv: f32, experts: int4}\nnodes:\n" + "".join(
+        node.format(n=n, gb=(fixed + room) / 1e9) for n, room in (("a", small), ("b", small), ("c", big))))
+    cfg = job(model=str(mini), kv="f32", max_context=64, workers={"fleet": str(fleet), "experts": "sharded"})
+    pl = fleet_placements(cfg)
+    assert [abs(p.expert_room - r) < 1000 for p, r in zip(pl, (small, small, big))] == [True] * 3
+    owners = split_owners(cfg, [p.expert_room for p in pl], True)[0][0]
+    job_counts = [{str(l): int((o == w).sum()) for l, o in owners.items()} for w in range(3)]
+    assert [sum(c.values()) for c in job_counts] == [0, 0, 24]  # bf16: 8 do not fit a or b
+    # the plan command that `kvfleet plan --config JOB` points at prints exactly that split
+    job_yaml = write(tmp_path / "job.yaml", f"model: {mini}\nkv: f32\nmax_context: 64\n"
+                     f"workers: {{fleet: {fleet}, experts: sharded}}\n")
+    assert main(["plan", "--config", str(job_yaml)]) == 2
+    hint = capsys.readouterr().err.split("kvfleet plan ", 1)[1].split()
+    assert "--experts" in hint and hint[hint.index("--experts") + 1] == "bf16"
+    assert main(["plan", *hint, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["expert_format"] == "bf16" and not d["experts_even"] and not d["warnings"]
+    assert [v["pinned_per_layer"] for v in d["devices"]] == job_counts
+    # the fleet's own int4 plan deals 8 / 8 / 8 and says that the job does otherwise
+    assert main(["plan", "--config", str(fleet), "--model-config", str(mini / "config.json"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["experts_even"] and [v["pinned_experts"] for v in d["devices"]] == [8, 8, 8]
+    assert any("kvfleet generate loads bf16 experts" in w and "--experts bf16" in w for w in d["warnings"])
+    assert "plan.experts=int4, but the job loads bf16 experts" in caplog.text  # the job's log says so
