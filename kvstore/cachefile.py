@@ -20,7 +20,11 @@ once the file has replaced the old one), `_append` (one durable append at the cu
 
 Writers write in place only into the file they loaded or wrote (`open_loaded`): if its path
 now names another file (one renamed over it without the slot lock), a write at the old
-offsets would land inside that file, so it is an OSError instead.
+offsets would land inside that file, so it is an OSError instead. So is a write into a file
+that no longer holds the bytes this writer committed (another program truncated it in
+place): writing at the old offsets would leave a hole of zeros before the new bytes, which
+a `.coli_kv` reader takes for records (token 0, zero codes) and after which an Arrow reader
+drops the append that had just returned.
 """
 from __future__ import annotations
 
@@ -51,11 +55,18 @@ def check_loaded(path: str, loaded: tuple[int, int] | None,
                                     f"over it); not writing at the old offsets")
 
 
-def open_loaded(path: str, loaded: tuple[int, int] | None, flags: int) -> int:
-    """os.open(path, flags), if path still names the file `loaded` (check_loaded)."""
+def open_loaded(path: str, loaded: tuple[int, int] | None, flags: int, need: int = 0) -> int:
+    """os.open(path, flags), if path still names the file `loaded` (check_loaded) and holds
+    at least `need` bytes (the end of what this writer committed or keeps)."""
     fd = os.open(path, flags)
     try:
-        check_loaded(path, loaded, os.fstat(fd))
+        st = os.fstat(fd)
+        check_loaded(path, loaded, st)
+        if st.st_size < need:
+            raise OSError(errno.EIO, f"{path}: holds {st.st_size} bytes but this writer left "
+                                     f"{need} there (another program truncated it since it was "
+                                     f"loaded); not writing past its end, which would leave a "
+                                     f"hole of zeros inside it")
     except OSError:
         os.close(fd)
         raise
@@ -189,7 +200,7 @@ class CacheFile:
     def _heal(self) -> None:
         if self._heal_to is not None:
             log.warning("%s: self-heal: cutting torn tail at byte %d", self.path, self._heal_to)
-            fd = open_loaded(self.path, self._file_id, os.O_WRONLY)
+            fd = open_loaded(self.path, self._file_id, os.O_WRONLY, need=self._heal_to)
             try:
                 os.ftruncate(fd, self._heal_to)
                 os.fsync(fd)

@@ -87,8 +87,9 @@ class ColiKVFile(CacheFile):
 
     def _heal(self) -> None:
         fix = self._fix_nrec  # wrong nrec, with or without torn bytes after the last record
+        rec = self.layout.record_bytes
         if fix is not None:
-            fd = open_loaded(self.path, self._file_id, os.O_RDWR)
+            fd = open_loaded(self.path, self._file_id, os.O_RDWR, need=HEADER_BYTES + fix * rec)
             try:
                 os.pwrite(fd, struct.pack("<i", fix), NREC_OFFSET)
                 os.fsync(fd)
@@ -113,9 +114,10 @@ class ColiKVFile(CacheFile):
         self._fix_nrec, self._file_id = None, ident  # the new file's nrec is right
 
     def _append(self, recs: KVRecords, start: int) -> None:
-        fd = open_loaded(self.path, self._file_id, os.O_RDWR)
+        at = HEADER_BYTES + start * self.layout.record_bytes
+        fd = open_loaded(self.path, self._file_id, os.O_RDWR, need=at)
         try:
-            os.lseek(fd, HEADER_BYTES + start * self.layout.record_bytes, os.SEEK_SET)
+            os.lseek(fd, at, os.SEEK_SET)
             write_all(fd, self.layout.pack(recs))
             os.fsync(fd)
             os.pwrite(fd, struct.pack("<i", start + len(recs)), NREC_OFFSET)  # the commit
@@ -124,7 +126,8 @@ class ColiKVFile(CacheFile):
             os.close(fd)
 
     def _cut(self, n: int) -> None:
-        fd = open_loaded(self.path, self._file_id, os.O_RDWR)
+        fd = open_loaded(self.path, self._file_id, os.O_RDWR,
+                         need=HEADER_BYTES + n * self.layout.record_bytes)
         try:
             os.pwrite(fd, struct.pack("<i", n), NREC_OFFSET)  # commit the shorter length first
             os.fsync(fd)

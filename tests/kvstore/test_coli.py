@@ -288,3 +288,25 @@ def test_rewrite_with_no_records_writes_a_bare_header(tmp_path):
     f = ColiKVFile(path, FP, "kv8")
     assert len(f.load()) == 0 and f.message is None
     assert os.path.getsize(path) == 40  # the header alone
+
+
+@pytest.mark.parametrize("op", ["append", "truncate", "heal"])
+def test_writer_refuses_a_file_truncated_in_place_since_it_loaded(tmp_path, op):
+    # Another program (a network share's client, the C engine, a user's truncate) cuts the
+    # file in place, keeping its inode: a write at the old offsets left a hole of zeros,
+    # which the next load took for records (token 0, zero codes) committed by the nrec word.
+    p = tmp_path / "c.coli_kv"
+    old = records(FP, "kv8", 6, seed=91)
+    overwrite(p, reference_bytes(FP, "kv8", old) + (b"torn" if op == "heal" else b""))
+    f = ColiKVFile(p, FP, "kv8")
+    assert len(f.load()) == 6
+    rec = RecordLayout(FP, "kv8").record_bytes
+    os.truncate(p, 40 + 2 * rec + 17)  # 2 whole records and part of a third are left
+    before = digest(p)
+    with pytest.raises(OSError, match=rf"{p}: holds {40 + 2 * rec + 17} bytes but this writer "
+                                      rf"left \d+ there \(another program truncated it"):
+        f.append(records(FP, "kv8", 2, seed=92)) if op != "truncate" else f.truncate(5)
+    assert digest(p) == before
+    g = ColiKVFile(p, FP, "kv8")
+    assert same(g.load(), old.slice(0, 2)) and "only 2 are complete" in g.message
+

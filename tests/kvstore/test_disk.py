@@ -498,3 +498,27 @@ def test_writer_refuses_a_file_renamed_over_its_own(tmp_path, op):
     assert same(ArrowKVFile(p, SMALL, "kv8").load(), theirs)
     f.load()  # a reload adopts the new file
     assert f.append(old.slice(0, 1)) == 21
+
+
+@pytest.mark.parametrize("op", ["append", "heal"])
+def test_writer_refuses_a_file_truncated_in_place_since_it_loaded(tmp_path, op):
+    # Another program cuts the file in place (same inode): an append at the old end offset
+    # left a hole of zeros before its batch, so the next load ended the stream at the hole
+    # and the append that had returned (durable, it said) was gone. (A cut inside a batch
+    # already refused: it reads the batch's records back and finds them short.)
+    p = tmp_path / "c.arrow"
+    old = save(p, SMALL, "kv8", [records(SMALL, "kv8", 4, seed=85),
+                                 records(SMALL, "kv8", 3, seed=86)])
+    if op == "heal":
+        overwrite(p, p.read_bytes() + b"torn")
+    f = ArrowKVFile(p, SMALL, "kv8")
+    assert len(f.load()) == 7
+    first_batch_end = f._bounds[1][1]
+    os.truncate(p, first_batch_end + 9)  # the first batch and a few bytes of the second
+    before = digest(p)
+    with pytest.raises(OSError, match=rf"{p}: holds {first_batch_end + 9} bytes but this writer "
+                                      rf"left \d+ there \(another program truncated it"):
+        f.append(records(SMALL, "kv8", 2, seed=87))
+    assert digest(p) == before
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), old.slice(0, 4)) and "torn or corrupt tail after record 4" in g.message
