@@ -20,6 +20,7 @@ for writing cuts off. A reader stops at the first short record (nrec = records r
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 
@@ -42,9 +43,12 @@ def header_bytes(version: int, fp: Fingerprint, nrec: int, tag: int) -> bytes:
 
 def read_header(path: str) -> tuple[int, Fingerprint, int, int, int]:
     """(version, fingerprint, nrec, tag, file size); HeaderError naming the file otherwise."""
-    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(HEADER_BYTES)
+        return parse_header(f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size, path)
+
+
+def parse_header(head: bytes, size: int, path: str) -> tuple[int, Fingerprint, int, int, int]:
+    """read_header from the file's first HEADER_BYTES bytes and its size."""
     if head[:6] != b"COLIKV" or head[:8] not in MAGICS:
         raise HeaderError(f"{path}: not a .coli_kv cache (magic {head[:8]!r}, want "
                           f"b'COLIKV1\\x00'/b'COLIKV2\\x00'/b'COLIKV3\\x00')")
@@ -62,8 +66,17 @@ class ColiKVFile(CacheFile):
     _fix_nrec: int | None = None  # set by _read when the commit word must be rewritten
 
     def _read(self) -> FileContents:
-        self._file_id = file_id(os.stat(self.path))
-        version, fp, nrec, tag, size = read_header(self.path)
+        # one open file for the id, the header and the records: a file renamed over the
+        # path meanwhile (the C engine rewriting it) is read whole or not at all, never a
+        # header of one file with the records of another
+        with open(self.path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            self._file_id = file_id(st)
+            version, fp, nrec, tag, size = parse_header(fh.read(HEADER_BYTES), st.st_size, self.path)
+            return self._contents(fh, version, fp, nrec, tag, size)
+
+    def _contents(self, fh, version: int, fp: Fingerprint, nrec: int, tag: int,
+                  size: int) -> FileContents:
         c = FileContents(version, tag, fp, None, HEADER_BYTES, size)
         self._fix_nrec = None
         try:
@@ -79,7 +92,12 @@ class ColiKVFile(CacheFile):
         elif HEADER_BYTES + n * rec < size:
             c.note = (f"{self.path}: {size - HEADER_BYTES - n * rec} uncommitted bytes after record "
                       f"{n} (cut at the next write)")
-        c.records = layout.views(np.fromfile(self.path, np.uint8, count=n * rec, offset=HEADER_BYTES))
+        data = np.empty(n * rec, np.uint8)  # writable: the records are views into it
+        got = fh.readinto(data)  # (fh is at HEADER_BYTES)
+        if got != data.size:  # the file shrank since its fstat: cut in place while loading
+            raise OSError(errno.EIO, f"{self.path}: read {got} of the {data.size} record bytes "
+                                     f"its size promised (truncated while being loaded)")
+        c.records = layout.views(data)
         c.good_end = HEADER_BYTES + n * rec
         if n < nrec or c.good_end < size:
             self._fix_nrec = n  # the heal also rewrites the commit word

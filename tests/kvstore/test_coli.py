@@ -310,3 +310,28 @@ def test_writer_refuses_a_file_truncated_in_place_since_it_loaded(tmp_path, op):
     g = ColiKVFile(p, FP, "kv8")
     assert same(g.load(), old.slice(0, 2)) and "only 2 are complete" in g.message
 
+
+def test_load_reads_one_file_when_another_is_renamed_over_it(tmp_path, monkeypatch):
+    # The C engine (no slot lock) renames a new tq4 file over a kv8 one just as it is loaded:
+    # the header came from the old file and the records from the new one (a ValueError, or
+    # another tier's bytes as kv8 records when the new file is long enough).
+    import builtins
+    import kvstore.coli as coli
+    p, theirs = tmp_path / "c.coli_kv", tmp_path / "new.coli_kv"
+    ours = records(FP, "kv8", 5, seed=93)
+    overwrite(p, reference_bytes(FP, "kv8", ours))
+    overwrite(theirs, reference_bytes(FP, "tq4", records(FP, "tq4", 40, seed=94)))
+
+    def open_then_replace(path, *args, **kw):
+        fh = builtins.open(path, *args, **kw)
+        if os.path.exists(theirs):
+            os.replace(theirs, p)
+        return fh
+
+    monkeypatch.setattr(coli, "open", open_then_replace, raising=False)
+    f = ColiKVFile(p, FP, "kv8")
+    assert same(f.load(), ours) and f.message is None  # the file it opened, whole
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="replaced by another file"):  # and it writes to no other
+        f.append(records(FP, "kv8", 1, seed=95))
+    assert read_header(str(p))[0] == 3
