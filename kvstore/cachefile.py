@@ -107,6 +107,10 @@ class CacheFile:
         """Read the file under the load rules; returns the records to resume from."""
         self._kept, self._heal_to, self._n, self.message, self.plan = None, None, 0, None, None
         if not os.path.exists(self.path):
+            if os.path.islink(self.path):  # a loop, or a target that is gone (an unmounted share)
+                raise OSError(errno.ENOENT, f"{self.path}: a symlink to "
+                                            f"{os.readlink(self.path)!r} that does not resolve; "
+                                            f"not starting a new cache in its place")
             self._mode = "new"
             return self.layout.empty()
         try:

@@ -522,3 +522,27 @@ def test_writer_refuses_a_file_truncated_in_place_since_it_loaded(tmp_path, op):
     assert digest(p) == before
     g = ArrowKVFile(p, SMALL, "kv8")
     assert same(g.load(), old.slice(0, 4)) and "torn or corrupt tail after record 4" in g.message
+
+
+@pytest.mark.parametrize("cls", ["arrow", "coli"])
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_a_symlink_that_does_not_resolve_is_an_error_not_a_new_cache(tmp_path, cls, link):
+    # A slot file that is a symlink to a share that is not mounted (or a loop) looked like no
+    # file at all: load started a new cache and the next save renamed a file over the link.
+    from kvstore.coli import ColiKVFile
+    kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
+    p = tmp_path / f"c{kind.suffix}"
+    target = p.name if link == "loop" else str(tmp_path / "share" / p.name)
+    os.symlink(target, p)
+    f = kind(p, SMALL, "kv8")
+    with pytest.raises(OSError, match=rf"{p}: a symlink to '{target}' that does not resolve"):
+        f.load()
+    with pytest.raises(OSError, match="does not resolve"):
+        f.append(records(SMALL, "kv8", 2, seed=88))
+    assert os.path.islink(p) and os.readlink(p) == target
+    if link == "dangling":  # the share is back: the link's file is read and appended to
+        os.makedirs(tmp_path / "share")
+        kind(target, SMALL, "kv8").append(records(SMALL, "kv8", 3, seed=89))
+        g = kind(p, SMALL, "kv8")
+        assert len(g.load()) == 3 and g.append(records(SMALL, "kv8", 1, seed=90)) == 4
+        assert os.path.islink(p) and len(kind(target, SMALL, "kv8").load()) == 4
