@@ -8,7 +8,8 @@
 `load` applies the rules of kvstore/fingerprint.py plan_load. The file is never modified by
 `load`: a torn tail is only cut off (self-heal) when the file is next opened for writing, a
 v1 file being upgraded and a rejected file are only replaced, atomically (write a temp file,
-fsync, rename, fsync the directory), by the next `append`. Appends are durable when
+fsync, rename, fsync the directory; for a slot file that is a symlink, all in the link's
+target's directory, so the link stays and its target is replaced), by the next `append`. Appends are durable when
 `append` returns: the format's commit point (an fsync'd Arrow batch, the fsync'd `.coli_kv`
 nrec word) has been written. A crash at any moment leaves a file that loads as a prefix of
 what was appended, never a partial record.
@@ -108,9 +109,7 @@ class CacheFile:
         self._kept, self._heal_to, self._n, self.message, self.plan = None, None, 0, None, None
         if not os.path.exists(self.path):
             if os.path.islink(self.path):  # a loop, or a target that is gone (an unmounted share)
-                raise OSError(errno.ENOENT, f"{self.path}: a symlink to "
-                                            f"{os.readlink(self.path)!r} that does not resolve; "
-                                            f"not starting a new cache in its place")
+                raise unresolved_link(self.path)
             self._mode = "new"
             return self.layout.empty()
         try:
@@ -213,17 +212,18 @@ class CacheFile:
             self._heal_to = None
 
     def _replace(self, recs: KVRecords) -> None:
-        tmp = f"{self.path}.tmp"  # one writer per file (slots.py), so a stale one is ours
+        target = rewrite_target(self.path)  # a symlinked slot file: its target, not the link
+        tmp = f"{target}.tmp"  # one writer per file (slots.py), so a stale one is ours
         try:
             state = self._write_new(tmp, recs)
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         # the new file is in place: commit its state before anything else can fail
         self._mode, self._kept, self._n, self._heal_to = "append", None, len(recs), None
         self._adopt(state)
-        fsync_dir(self.path)
+        fsync_dir(target)
 
     # ---- format -----------------------------------------------------------------------
     def _read(self) -> FileContents:
@@ -240,6 +240,26 @@ class CacheFile:
 
     def _cut(self, n: int) -> None:
         raise NotImplementedError
+
+
+def unresolved_link(path: str) -> OSError:
+    """The error for a slot file that is a symlink which does not resolve (a loop, or a
+    target on a share that is not mounted): neither read nor replaced."""
+    return OSError(errno.ENOENT, f"{path}: a symlink to {os.readlink(path)!r} that does not "
+                                 f"resolve; not starting a new cache in its place")
+
+
+def rewrite_target(path: str) -> str:
+    """The file that a whole-file rewrite of `path` renames over: `path`, or, if it is a
+    symlink (slot files linked onto shared storage), the file at the end of its chain of
+    links, so that the temp file is made beside the target (same file system: the rename is
+    atomic), the rename replaces the target and the link stays a link that now reads the
+    new file. A link that does not resolve is an OSError (unresolved_link), as for load."""
+    if not os.path.islink(path):
+        return path
+    if not os.path.exists(path):
+        raise unresolved_link(path)
+    return os.path.realpath(path)
 
 
 def fsync_dir(path: str) -> None:

@@ -546,3 +546,82 @@ def test_a_symlink_that_does_not_resolve_is_an_error_not_a_new_cache(tmp_path, c
         g = kind(p, SMALL, "kv8")
         assert len(g.load()) == 3 and g.append(records(SMALL, "kv8", 1, seed=90)) == 4
         assert os.path.islink(p) and len(kind(target, SMALL, "kv8").load()) == 4
+
+
+@pytest.mark.parametrize("cls", ["arrow", "coli"])
+@pytest.mark.parametrize("how", ["upgrade", "reject", "not-a-cache", "rewrite"])
+@pytest.mark.parametrize("chain", ["relative", "two-hops"])
+def test_a_rewrite_replaces_a_symlinked_slot_files_target(tmp_path, monkeypatch, cls, how, chain):
+    # Cache dirs live on shared storage with slot files linked into them. A whole-file
+    # rewrite (v1 upgrade, reject and restart, a header that is not a cache, a compaction)
+    # renamed its temp file over the link: the link became a local regular file and the
+    # share's file kept its old records. The rewrite must replace the link's target.
+    import kvstore.cachefile
+    from kvstore.coli import ColiKVFile
+    kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "share").mkdir()
+    target = tmp_path / "share" / f"real{kind.suffix}"
+    p = tmp_path / "cache" / f"c{kind.suffix}"
+    links = {p: os.path.join("..", "share", target.name)}
+    if chain == "two-hops":  # cache/c -> share/hop (absolute) -> real (relative)
+        links = {p: str(tmp_path / "share" / "hop"), tmp_path / "share" / "hop": target.name}
+    file_tier, run_tier = {"upgrade": ("f32", "kv8"), "reject": ("kv8", "f32"),
+                           "not-a-cache": (None, "kv8"), "rewrite": ("kv8", "kv8")}[how]
+    if file_tier is None:
+        target.write_bytes(b"GGUF\0\0\0\0" + bytes(200))
+    else:
+        src, enc = encoded(SMALL, "kv8", 6, seed=91)
+        w = kind(target, SMALL, file_tier)
+        w.load()
+        w.append(src if file_tier == "f32" else enc)
+    for link, to in links.items():
+        os.symlink(to, link)
+
+    tmps, synced = [], []
+    real_write, real_sync = kind._write_new, kvstore.cachefile.fsync_dir
+    monkeypatch.setattr(kind, "_write_new", lambda self, path, recs: (
+        tmps.append(path), real_write(self, path, recs))[1])
+    monkeypatch.setattr(kvstore.cachefile, "fsync_dir", lambda path: (
+        synced.append(path), real_sync(path))[1])
+    f = kind(p, SMALL, run_tier)
+    got = f.load()
+    new = records(SMALL, run_tier, 3, seed=92)
+    if how == "rewrite":  # a compaction: the whole file replaced by exactly these records
+        assert same(got, enc)
+        f.rewrite(new)
+        want = new
+    else:
+        f.append(new)
+        want = KVRecords.concat([enc, new]) if how == "upgrade" else new
+    monkeypatch.undo()
+
+    assert tmps == [f"{target}.tmp"] and synced == [str(target)]
+    assert sorted(os.listdir(tmp_path / "cache")) == [p.name]  # no temp file, no stray copy
+    assert sorted(os.listdir(tmp_path / "share")) == sorted(
+        [target.name] + (["hop"] if chain == "two-hops" else []))
+    for link, to in links.items():
+        assert os.path.islink(link) and os.readlink(link) == to
+    assert not os.path.islink(target)
+    g = kind(target, SMALL, run_tier)  # the share's file holds the rewrite, nothing lost
+    assert same(g.load(), want) and g.message is None
+    assert f.append(more := records(SMALL, run_tier, 2, seed=93)) == len(want) + 2
+    g = kind(p, SMALL, run_tier)  # the writer goes on through the link, into the new file
+    assert same(g.load(), KVRecords.concat([want, more])) and g.message is None
+    assert os.path.islink(p) and same(kind(target, SMALL, run_tier).load(), g.load())
+
+
+@pytest.mark.parametrize("cls", ["arrow", "coli"])
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_a_rewrite_refuses_a_symlink_that_does_not_resolve(tmp_path, cls, link):
+    # rewrite() without a load (kv convert's output) onto a link to an unmounted share put a
+    # regular file in the link's place; it is the same error as load's and the link stays.
+    from kvstore.coli import ColiKVFile
+    kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
+    p = tmp_path / f"c{kind.suffix}"
+    target = p.name if link == "loop" else str(tmp_path / "share" / p.name)
+    os.symlink(target, p)
+    with pytest.raises(OSError, match=rf"{p}: a symlink to '{target}' that does not resolve"):
+        kind(p, SMALL, "kv8").rewrite(records(SMALL, "kv8", 2, seed=94))
+    assert os.path.islink(p) and os.readlink(p) == target
+    assert sorted(os.listdir(tmp_path)) == [p.name]
