@@ -143,6 +143,9 @@ def convert_cmd(args) -> int:
                          f"pass --format arrow|coli")
     if os.path.isdir(args.output):
         raise UsageError(f"{args.output}: is a directory; give the output file; nothing written")
+    if os.path.islink(args.output) and not os.path.exists(args.output):
+        raise UsageError(f"{args.output}: a symlink to {os.readlink(args.output)!r} that does "
+                         f"not resolve (a loop, or a share that is not mounted); nothing written")
     dst_tier = get_tier(args.to)
     lock = _lock_output(args.output)  # also the input's lock when it is the same file
     try:

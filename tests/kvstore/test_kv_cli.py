@@ -302,3 +302,42 @@ def test_convert_removes_its_lock_file_but_never_a_held_one(tmp_path, capsys):
             SlotLock(str(dst))
     finally:
         held.close()
+
+
+def test_convert_through_a_symlinked_slot_file_rewrites_its_target(tmp_path, capsys):
+    # A slot file linked onto shared storage: convert in place (a format upgrade) and convert
+    # onto the link renamed a regular file over the link, so the share's file kept its old
+    # records. The link must stay and its target hold the converted file.
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "share").mkdir()
+    real, link = tmp_path / "share" / "real.arrow", tmp_path / "cache" / "c.arrow"
+    src, enc = encoded(FP, "kv8", 7, seed=21)
+    write(ArrowKVFile, real, FP, "f32", [src])  # a v1 file
+    os.symlink(os.path.join("..", "share", "real.arrow"), link)
+    rc, out, _ = run(capsys, "kv", "convert", link, link, "--to", "kv8")
+    assert rc == 0 and "wrote 7 records (kv8, arrow)" in out
+    assert os.path.islink(link) and os.readlink(link) == os.path.join("..", "share", "real.arrow")
+    g = ArrowKVFile(real, FP, "kv8")
+    assert same(g.load(), enc) and g.plan.file_tier.version == 2 and g.message is None
+    # another file onto a link to a .coli_kv on the share
+    coli_real, coli_link = tmp_path / "share" / "real.coli_kv", tmp_path / "cache" / "c.coli_kv"
+    write(ColiKVFile, coli_real, FP, "kv8", [records(FP, "kv8", 3, seed=22)])
+    os.symlink(coli_real, coli_link)
+    assert run(capsys, "kv", "convert", link, coli_link, "--to", "kv8")[0] == 0
+    assert os.path.islink(coli_link) and os.readlink(coli_link) == str(coli_real)
+    assert same(ColiKVFile(coli_real, FP, "kv8").load(), enc)
+    assert sorted(os.listdir(tmp_path / "cache")) == ["c.arrow", "c.coli_kv"]
+    assert sorted(os.listdir(tmp_path / "share")) == ["real.arrow", "real.coli_kv"]
+
+
+def test_convert_onto_a_symlink_that_does_not_resolve_is_refused(tmp_path, capsys):
+    src = tmp_path / "in.arrow"
+    write(ArrowKVFile, src, FP, "kv8", [records(FP, "kv8", 4, seed=23)])
+    out_link = tmp_path / "o.arrow"
+    gone = str(tmp_path / "share" / "o.arrow")  # the share is not mounted
+    os.symlink(gone, out_link)
+    rc, out, err = run(capsys, "kv", "convert", src, out_link, "--to", "kv8")
+    assert rc == 2 and f"{out_link}: a symlink to '{gone}' that does not resolve" in err, err
+    assert "nothing written" in err and "wrote" not in out
+    assert os.path.islink(out_link) and os.readlink(out_link) == gone
+    assert sorted(os.listdir(tmp_path)) == ["in.arrow", "o.arrow"]
