@@ -1,7 +1,8 @@
 """Saved KV per request on the tiny model (in-process runtime): a prompt that starts with a
 saved cache loads that prefix instead of computing it and gives the same tokens; a shrinking
-prefix truncates the file; tiers (same tier reuse, v1 upgrade, reject + clean start); a busy
-file; unsafe cache names; DSA refused; the worker's row skipping against a plain loop."""
+prefix truncates the file; tiers (same tier reuse, v1 upgrade, reject + clean start), also
+through a slot file symlinked onto a share; a busy file; unsafe cache names; DSA refused; the
+worker's row skipping against a plain loop."""
 from __future__ import annotations
 
 import json
@@ -199,6 +200,30 @@ def test_f32_file_is_upgraded_and_reused_under_kv8(tiny, tmp_path):
     assert rows["a"]["cached_prompt_tokens"] == P - 1 and st.kv_cache["upgraded"] == 1
     recs, version, _ = saved(tiny, cache, "conv", "kv8")
     assert version == 2 and recs.tokens.tolist() == toks + rows["a"]["completion_tokens"][:-1]
+
+
+def test_rewrites_of_a_symlinked_slot_file_replace_the_share_file(tiny, tmp_path):
+    """Slot files linked onto shared storage: the release's upgrade and reject rewrites
+    replaced the link by a local file (the share kept the old tier). They rewrite its target."""
+    cache, share = tmp_path / "cache", tmp_path / "share"
+    toks = prompt(10)
+    run(tiny, tmp_path / "r1", [line("a", toks)], share, kv="f32")
+    name = slot_filename("conv", ".arrow")
+    cache.mkdir()
+    os.symlink(share / name, cache / name)
+    rows, st = run(tiny, tmp_path / "r2", [line("a", toks)], cache, kv="kv8")
+    assert rows["a"]["cached_prompt_tokens"] == P - 1 and st.kv_cache["upgraded"] == 1
+    want = toks + rows["a"]["completion_tokens"][:-1]
+    for tier, version in (("kv8", 2), ("tq4", 3)):
+        if tier == "tq4":
+            rows, st = run(tiny, tmp_path / "r3", [line("a", toks)], cache, kv="tq4")
+            assert st.kv_cache["rejected"] == 1
+            want = toks + rows["a"]["completion_tokens"][:-1]
+        assert os.path.islink(cache / name) and os.readlink(cache / name) == str(share / name)
+        recs, v, message = saved(tiny, share, "conv", tier)  # the share's file itself
+        assert v == version and message is None and recs.tokens.tolist() == want
+    for d in (share, cache):  # no temp file, no stray copy (the slot locks' sidecars stay)
+        assert [n for n in os.listdir(d) if not n.endswith(".lock")] == [name]
 
 
 def test_coli_format_reuse(tiny, tmp_path, forwarded):
