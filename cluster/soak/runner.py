@@ -55,7 +55,7 @@ from cluster.requests import Request, read_requests, result_key
 from cluster.soak.config import SoakArm
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
-from cluster.soak.summary import apply_gate, parity_table, summarize
+from cluster.soak.summary import OK_FINISH, apply_gate, parity_table, summarize
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     """One rounds.parquet row and the round's request rows."""
     req = _read_results(meta["parquet"])
     stats = json.loads(meta["stats"].read_text()) if meta["stats"].exists() else {}
-    ok = req[req.finish_reason.isin(["stop", "length"])] if len(req) else req
+    ok = req[req.finish_reason.isin(OK_FINISH)] if len(req) else req
     input_errors = req[(req.finish_reason == "error") & req.error.fillna("").str.startswith("line ")] \
         if len(req) else req
     served = _served_keys(ok) | _served_keys(input_errors) if len(req) else set()
