@@ -26,13 +26,14 @@ from kernels.tiers import Tier, get_tier
 
 def group_by_slot(slots: np.ndarray, positions: np.ndarray):
     """A flat token batch -> (unique slots [B], row of each token [N], its index within
-    the row [N], q_pos [B, Q] with -1 padding): one attention row per slot."""
+    the row [N], q_pos [B, Q] with -1 padding): one attention row per slot. An empty batch
+    gives B = Q = 0."""
     uniq, inv, counts = np.unique(slots, return_inverse=True, return_counts=True)
     order = np.argsort(inv, kind="stable")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order)) - starts[inv[order]]
-    q_pos = np.full((len(uniq), int(counts.max())), -1, np.int64)
+    q_pos = np.full((len(uniq), int(counts.max(initial=0))), -1, np.int64)
     q_pos[inv, rank] = positions
     return uniq, inv, rank, q_pos
 

@@ -75,9 +75,11 @@ class MLXKVPool(KVPool):
         ctx [N, H, kv_lora] (an mx array). Each slot must be allocated and hold the rows up
         to each of its query positions."""
         slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
+        N, H, Dl = q_lat.shape
+        if N == 0:  # (MLX's scatter refuses the empty updates below)
+            return mx.zeros((0, H, Dl), mx.float32)
         uniq, inv, rank, q_pos = group_by_slot(slots, positions)
         B, Q = q_pos.shape
-        N, H, Dl = q_lat.shape
         inv_m, rank_m = mx.array(inv.astype(np.int32)), mx.array(rank.astype(np.int32))
         ql = mx.zeros((B, Q, H, Dl), mx.float32)
         qr = mx.zeros((B, Q, H, q_rope.shape[-1]), mx.float32)

@@ -437,3 +437,32 @@ def test_mlx_pool_takes_numpy_views_with_negative_strides(tier):
     c, s = codecs.encode_rows(tier, L)
     np.testing.assert_array_equal(np.array(codecs.decode_rows(tier, np.array(c)[::-1], np.array(s)[::-1], 64)),
                                   cpu_codecs.decode_rows(tier, np.array(c)[::-1], np.array(s)[::-1], 64))
+
+
+@pytest.mark.parametrize("tier", ["f32", "kv8", "tq4", "polar3"])
+def test_an_empty_attend_returns_no_rows_like_an_empty_write(tier):
+    """A batch of zero queries (a step whose slots all finished, an empty prefill chunk):
+    both pools take an empty write; an empty attend raised numpy's "zero-size array to
+    reduction operation maximum" (KVPool, MLXKVPool) or MLX's scatter error. Now it is
+    ctx [0, H, kv_lora], and the pool's rows, garbage included, are left as they were."""
+    from kernels.metal.pool import MLXKVPool
+    from kvstore.pool import KVPool
+    rng = np.random.default_rng(16)
+    Dl, Dr, H = 64, 16, 3
+    pools = [cls(1, Dl, Dr, tier, n_blocks=6, block_size=4, max_slots=2) for cls in (KVPool, MLXKVPool)]
+    L = (rng.standard_normal((7, Dl)) * 40).astype(np.float32)
+    R = rng.standard_normal((7, Dr)).astype(np.float32)
+    for p in pools:
+        s = p.alloc_slot()
+        p.write(0, [s] * 7, np.arange(7), L, R)
+        p.write(0, [], [], L[:0], R[:0])
+    ql = np.full((0, H, Dl), np.nan, np.float32)
+    qr = np.full((0, H, Dr), np.nan, np.float32)
+    ref = pools[0].attend(0, [], [], ql, qr, 0.1)
+    got = pools[1].attend(0, np.zeros(0, np.int64), np.zeros(0, np.int64), mx.array(ql), mx.array(qr), 0.1)
+    assert ref.shape == tuple(got.shape) == (0, H, Dl)
+    same_coded_rows(pools, [0], layer=0)
+    q = rng.standard_normal((1, H, Dl)).astype(np.float32)
+    qrr = rng.standard_normal((1, H, Dr)).astype(np.float32)
+    check_close(np.array(pools[1].attend(0, [0], [6], mx.array(q), mx.array(qrr), 0.1)),
+                pools[0].attend(0, [0], [6], q, qrr, 0.1).astype(np.float64))
