@@ -3,7 +3,8 @@ f32, kv8 and tq4 tiers: reads the codes in place through the block tables, no ex
 
 UNVERIFIED: written on Linux, where MLX has no Metal; it has never been compiled or run.
 It is therefore guarded: `usable(...)` runs it once per (tier, Dl, Dr, block size) on a
-small hostile problem (NaN garbage, shuffled blocks, ragged rows) against the MLX-op path
+small hostile problem (NaN garbage, shuffled blocks, ragged rows, a prefill query beside a
+padding one, a row whose every score lies below -1e30) against the MLX-op path
 (kernels/metal/attention.py) and uses it only when they agree within 1e-5; a compile error
 or a mismatch is logged once and the op path serves every call (counted as a fallback).
 
@@ -61,7 +62,10 @@ _SOURCE = """
     float qv[EL]; float rv[ER]; float acc[EL];
     for (int j = 0; j < EL; ++j) { qv[j] = ql[r * DL + lane + 32 * j]; acc[j] = 0.0f; }
     for (int j = 0; j < ER; ++j) { rv[j] = qr[r * DR + lane + 32 * j]; }
-    float m = -1e30f, l = 0.0f;
+    // m counts only once the simdgroup has seen a key (l != 0; a NaN l counts, so a NaN
+    // stays NaN): a fixed floor taken as the max put rows whose every score lies below it
+    // to exp(s - floor) = 0, zeros where the op path and numpy give the argmax row
+    float m = 0.0f, l = 0.0f;
 
     for (int t = int(sg); t <= pos; t += 8) {
         const int bi = t / BS;
@@ -95,8 +99,9 @@ _SOURCE = """
             sr += rv[j] * v;
         }
         const float s = (metal::simd_sum(sl) * wl + metal::simd_sum(sr) * wr) * sm_scale;
-        const float m_new = metal::max(m, s);
-        const float alpha = metal::precise::exp(m - m_new);
+        const bool seen = l != 0.0f;
+        const float m_new = seen ? metal::max(m, s) : metal::max(s, -3.4028235e38f);  // -inf: p = 0
+        const float alpha = seen ? metal::precise::exp(m - m_new) : 0.0f;  // acc, l are 0 then
         const float p = metal::precise::exp(s - m_new);
         l = l * alpha + p;
         const float pw = p * wl;
@@ -106,15 +111,18 @@ _SOURCE = """
     for (int j = 0; j < EL; ++j) { tg_acc[sg * DL + lane + 32 * j] = acc[j]; }
     if (lane == 0) { tg_m[sg] = m; tg_l[sg] = l; }
     metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-    float mm = tg_m[0];
-    for (int g = 1; g < 8; ++g) { mm = metal::max(mm, tg_m[g]); }
+    float mm = -3.4028235e38f;  // the max over the simdgroups that saw a key
+    for (int g = 0; g < 8; ++g) { if (tg_l[g] != 0.0f) mm = metal::max(mm, tg_m[g]); }
     float ll = 0.0f;
     float f[8];
-    for (int g = 0; g < 8; ++g) { f[g] = metal::precise::exp(tg_m[g] - mm); ll += tg_l[g] * f[g]; }
+    for (int g = 0; g < 8; ++g) {
+        f[g] = tg_l[g] != 0.0f ? metal::precise::exp(tg_m[g] - mm) : 0.0f;
+        ll += tg_l[g] * f[g];
+    }
     for (int d = int(tid); d < DL; d += 256) {
         float o = 0.0f;
         for (int g = 0; g < 8; ++g) { o += tg_acc[g * DL + d] * f[g]; }
-        out[r * DL + d] = ll > 0.0f ? o / ll : 0.0f;
+        out[r * DL + d] = ll != 0.0f ? o / ll : 0.0f;
     }
 """
 
@@ -207,12 +215,15 @@ def usable(tier_name: str, Dl: int, Dr: int, bs: int) -> bool:
         k += need
         t = np.arange(n)
         blk, off = tables[b, t // bs], t % bs
-        lc[blk, off], ls[blk, off] = codecs.encode_rows(tier, rng.standard_normal((n, Dl)).astype(np.float32))
+        L = rng.standard_normal((n, Dl)) + (1.0 if b == 2 else 0.0)  # row 2: L of mean 1
+        lc[blk, off], ls[blk, off] = codecs.encode_rows(tier, L.astype(np.float32))
         rc[blk, off], rs[blk, off] = codecs.encode_rows(tier, rng.standard_normal((n, Dr)).astype(np.float32))
     planes = LayerPlanes(*(mx.array(a) for a in (lc, ls, rc, rs)))
-    ql = mx.array(rng.standard_normal((3, 1, H, Dl)).astype(np.float32))
-    qr = mx.array(rng.standard_normal((3, 1, H, Dr)).astype(np.float32))
-    q_pos = np.array([[n - 1] for n in lengths], np.int64)
+    ql = rng.standard_normal((3, 2, H, Dl)).astype(np.float32)
+    ql[2] = -1e30  # every score of row 2 about -Dl * 1e29, below any fixed floor
+    qr = mx.array(rng.standard_normal((3, 2, H, Dr)).astype(np.float32))
+    q_pos = np.array([[n - 1, n - 2] for n in lengths], np.int64)  # row 1: a padding query
+    ql = mx.array(ql)
     want = np.array(op_path(tier, planes, tables, ql, qr, q_pos, 0.1, native=False))
     try:
         got = np.array(attend(tier, planes, tables, ql, qr, q_pos, 0.1))

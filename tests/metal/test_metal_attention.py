@@ -267,6 +267,48 @@ def test_native_kernel_guard(monkeypatch):
     assert not native.supported(get_tier("tq4"), 96, 32) and not native.supported(tier, 80, 32)
 
 
+def softmax_from(floor):
+    """The native kernel's algorithm in numpy (decode the visible rows, softmax from a
+    running max that starts at `floor`, None = at the first key), as a stand-in `attend`."""
+    def attend(tier, planes, tables, q_lat, q_rope, q_pos, scale):
+        lc, ls, rc, rs = (np.array(a) for a in (planes.l_codes, planes.l_scale,
+                                                planes.r_codes, planes.r_scale))
+        ql, qr = np.array(q_lat), np.array(q_rope)
+        B, Q, H, Dl = ql.shape
+        bs, out = lc.shape[1], np.zeros(ql.shape, np.float32)
+        for b, q in np.ndindex(B, Q):
+            t = np.arange(q_pos[b, q] + 1)
+            if not len(t):
+                continue
+            blk, off = tables[b, t // bs], t % bs
+            L = cpu_codecs.decode_rows(tier, lc[blk, off], ls[blk, off], Dl)
+            R = cpu_codecs.decode_rows(tier, rc[blk, off], rs[blk, off], qr.shape[-1])
+            sc = (ql[b, q] @ L.T + qr[b, q] @ R.T) * np.float32(scale)  # [H, T]
+            m = sc.max(-1, keepdims=True)
+            p = np.exp(sc - (m if floor is None else np.maximum(m, np.float32(floor))))
+            den = p.sum(-1, keepdims=True)
+            out[b, q] = np.where(den > 0, (p @ L) / np.where(den > 0, den, 1), 0)
+        return mx.array(out)
+    return attend
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_native_self_check_refuses_a_kernel_with_a_softmax_floor(tier, monkeypatch):
+    """The Metal kernel started its running max at -1e30, the floor bug the op path had
+    (test_scores_below_the_floor): a row whose every score is below it came back as zeros.
+    Its self-check had only Gaussian rows and queries, so such a kernel passed and would have
+    served every call. The self-check now holds a row of scores near -1e31 (and a prefill
+    query beside a padding one): the floor's algorithm is refused, the same algorithm with
+    the max taken from the first key (the fixed kernel's) is accepted."""
+    from kernels.metal import native
+    monkeypatch.setattr(native, "metal_enabled", lambda: True)
+    for floor, accepted in [(-1e30, False), (None, True)]:
+        native.usable.cache_clear()
+        monkeypatch.setattr(native, "attend", softmax_from(floor))
+        assert native.usable(tier, 64, 32, 4) is accepted, floor
+    native.usable.cache_clear()
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_two_thousand_keys_within_1e5_of_numpy(tier):
     rng = np.random.default_rng(31)
