@@ -12,6 +12,14 @@ For an "auto" device that is the design's budget: free memory minus the reserve 
 shadow projection is what the dense weights, the pool and the pinned experts may use.
 `host_experts` of a device counts the experts no device of the fleet pins.
 
+Host memory of the kvfleet job (`host_bytes`, reported, never planned against): its workers
+hold what workers/weights.py loads, float32 (twice a bf16 checkpoint), in numpy: every
+routed expert a worker owns in the split below (pinned or not: workers/ep_worker.py computes
+routed experts on the host on every kind), and on a cpu device the dense weights too (a
+cuda or metal worker keeps those in its own device copy, counted in its budget). The
+budget above counts weights in the checkpoint's format, as the C engine stores them, so a
+cpu device whose float32 host figure and KV exceed its budget gets a warning.
+
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
 row of every slot: slots x ctx x cached layers x kv8 token bytes. (Here and in the pool,
@@ -35,6 +43,7 @@ import numpy as np
 
 from cluster.footprint import Footprint, WeightFormat, get_format
 from kernels.tiers import Tier, get_tier
+from workers.weights import PARAM_DTYPE, loaded_bytes
 
 GB = 10**9
 SHADOW_FLOOR_GB = 32.0
@@ -179,6 +188,7 @@ class DevicePlan:
     pinned_bytes: int
     host_experts: int  # routed experts no device pins (served from host memory)
     max_ctx: dict[str, int]
+    host_bytes: int  # host RAM a kvfleet job's worker holds here: float32 weights (see above)
 
     @property
     def used_bytes(self) -> int:
@@ -202,6 +212,7 @@ class DevicePlan:
             "pinned_experts": int(len(self.pinned)), "pinned_expert_bytes": self.pinned_bytes,
             "pinned_per_layer": {int(l): int(c) for l, c in zip(layers, per_layer)},
             "host_experts": self.host_experts, "free_bytes": self.free_bytes,
+            "host_bytes": self.host_bytes,
             "max_ctx": dict(self.max_ctx),
         }
 
@@ -220,7 +231,15 @@ class Plan:
     @property
     def warnings(self) -> list[str]:
         limit = self.footprint.config.max_position_embeddings
-        return [f"ctx {self.ctx} exceeds the model's max_position_embeddings {limit}"] if self.ctx > limit else []
+        out = [f"ctx {self.ctx} exceeds the model's max_position_embeddings {limit}"] if self.ctx > limit else []
+        for d in self.devices:
+            need = d.host_bytes + d.kv_pool_bytes + d.index_bytes
+            if d.device.kind == "cpu" and need > d.device.capacity:
+                out.append(f"device {d.device.name}: a kvfleet job holds its weights as float32 "
+                           f"({gb(d.host_bytes)}, the plan counts {self.expert_format.name} experts "
+                           f"and bf16 dense weights) + KV {gb(d.kv_pool_bytes + d.index_bytes)}, "
+                           f"over its budget {gb(d.device.capacity)}")
+        return out
 
     def to_dict(self) -> dict:
         fp, layers = self.footprint, self.footprint.moe_layers
@@ -231,6 +250,8 @@ class Plan:
             "routed_experts": fp.routed_experts,
             "pinned_experts": int(sum(len(d.pinned) for d in self.devices)),
             "host_experts": int(len(self.host)), "experts_even": self.experts_even,
+            "host_dtype": np.dtype(PARAM_DTYPE).name,
+            "host_bytes": int(sum(d.host_bytes for d in self.devices)),
             "kv_bytes_per_token": fp.kv_bytes_per_token(self.tier),
             "index_bytes_per_token": fp.index_bytes_per_token,
             "devices": [d.to_dict(layers) for d in self.devices],
@@ -281,10 +302,13 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
         rooms.append(dev.capacity - dense - kv - idx - sh)
     a = split_experts(fp, rooms, fmt, usage)
     host = a.experts[~a.pinned]
+    dense_f32, expert_f32 = loaded_bytes(fp.config)
+    loaded = a.experts[:, 0] < fp.config.num_hidden_layers  # (MTP layers' experts: not loaded)
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
                    int((a.pinned & (a.owner == w)).sum()) * eb, len(host),
-                   {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers})
+                   {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers},
+                   int((loaded & (a.owner == w)).sum()) * expert_f32 + (dense_f32 if dev.kind == "cpu" else 0))
         for w, (dev, (kv, idx, sh)) in enumerate(zip(devices, fixed)))
     return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even)
 

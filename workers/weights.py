@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # job plans and splits its experts as bf16 whatever a fleet's plan.experts says.
 EXPERT_FORMAT = "bf16"
 SINGLE_FILE = "model.safetensors"
+# What load_params returns, whatever the checkpoint holds: a bf16 checkpoint takes twice its
+# file bytes in host memory (and on the device, where a model uploads these arrays as is).
+PARAM_DTYPE = np.float32
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,15 @@ def name_table(cfg: ModelConfig) -> dict[str, Slot]:
             t[m + "shared_experts.up_proj.weight"] = Slot(key + "shared.up", (si, H))
             t[m + "shared_experts.down_proj.weight"] = Slot(key + "shared.down", (H, si))
     return t
+
+
+def loaded_bytes(cfg: ModelConfig) -> tuple[int, int]:
+    """(dense, one routed expert): bytes of the arrays load_params returns for `cfg`, in
+    PARAM_DTYPE. dense = every parameter but the routed experts (no MTP or indexer tensors:
+    they are not loaded); one routed expert = its gate [I, H], up [I, H] and down [H, I]."""
+    size = np.dtype(PARAM_DTYPE).itemsize
+    dense = sum(math.prod(s.shape) for s in name_table(cfg).values() if s.index is None)
+    return dense * size, 3 * cfg.moe_intermediate_size * cfg.hidden_size * size
 
 
 def _layer(name: str) -> int | None:
@@ -207,6 +220,6 @@ def load_params(model_dir: str | Path, cfg: ModelConfig,
                 continue
             row, stack = mine[slot.index], len(mine)
         if slot.param not in params:
-            params[slot.param] = np.empty((stack, *slot.shape), np.float32)
+            params[slot.param] = np.empty((stack, *slot.shape), PARAM_DTYPE)
         params[slot.param][row] = refs[name].read()
     return params

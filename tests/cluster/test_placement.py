@@ -140,7 +140,10 @@ def test_int4_fleet_job_and_printed_plan_split_experts_alike(tmp_path, capsys, c
     assert "--experts" in hint and hint[hint.index("--experts") + 1] == "bf16"
     assert main(["plan", *hint, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["expert_format"] == "bf16" and not d["experts_even"] and not d["warnings"]
+    assert d["expert_format"] == "bf16" and not d["experts_even"]
+    # (budgets sized on bf16: every device is told its float32 weights exceed it, nothing else)
+    assert [w.split(":")[0] for w in d["warnings"]] == ["device a/cpu0", "device b/cpu0", "device c/cpu0"]
+    assert all("holds its weights as float32" in w for w in d["warnings"])
     assert [v["pinned_per_layer"] for v in d["devices"]] == job_counts
     # the fleet's own int4 plan deals 8 / 8 / 8 and says that the job does otherwise
     assert main(["plan", "--config", str(fleet), "--model-config", str(mini / "config.json"), "--json"]) == 0

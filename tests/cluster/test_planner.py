@@ -306,9 +306,9 @@ def test_plan_deals_tiny_experts_evenly_as_the_job_splits_them(capsys):
 
 
 def test_ctx_past_max_position_warns():
-    p = plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=200_000)
+    p = plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 3000 * GB)], tier="tq4", ctx=200_000)
     assert p.to_dict()["warnings"] == ["ctx 200000 exceeds the model's max_position_embeddings 163840"]
-    assert plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 2000 * GB)], tier="tq4", ctx=4096).warnings == []
+    assert plan(card("deepseek-v3"), [DeviceBudget("h", "cpu", 3000 * GB)], tier="tq4", ctx=4096).warnings == []
 
 
 def test_context_is_counted_in_whole_blocks_as_the_pool_holds_it():
@@ -349,3 +349,53 @@ def test_even_share_with_a_remainder_goes_to_the_roomiest_workers():
     # a share that does not fit one worker at all: most room first, as before
     a = split_experts(fp, [100 * eb, 3 * eb, 5 * eb, 5 * eb, 5 * eb], "bf16")
     assert not a.even and np.bincount(a.owner, minlength=5).tolist() == [24, 0, 0, 0, 0]
+
+
+def test_host_bytes_equal_the_loaded_arrays_of_each_worker():
+    """The plan's host figure is what a kvfleet job's workers really hold: the float32 arrays
+    of workers/weights.py (twice the bf16 checkpoint the budget counts), every routed expert a
+    worker owns, and on a cpu device the dense weights. Measured by loading each worker's
+    shard of kvfleet-mini exactly as workers/ep_worker.py does."""
+    from workers.weights import load_params
+    mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini"
+    fp = Footprint.from_file(mini)
+    # uneven budgets, so the split is most-room-first and the shards differ in size
+    room = fp.dense_bytes + 64 * BLOCK * fp.kv_bytes_per_token("kv8")
+    devs = [DeviceBudget("c0", "cpu", room + 13 * fp.expert_bytes("bf16")),
+            DeviceBudget("g0", "cuda", room + 7 * fp.expert_bytes("bf16")),
+            DeviceBudget("c1", "cpu", room + 2 * fp.expert_bytes("bf16"))]
+    p = plan(fp, devs, tier="kv8", ctx=64 * BLOCK, experts="bf16")
+    assert not p.experts_even and len(p.host) > 0  # some experts left to the host as well
+    a = split_experts(fp, [d.free_bytes + d.pinned_bytes for d in p.devices], "bf16")
+    d = p.to_dict()
+    assert d["host_dtype"] == "float32"
+    total = 0
+    for w, (dp, row) in enumerate(zip(p.devices, d["devices"])):
+        mine = {l: a.experts[(a.owner == w) & (a.experts[:, 0] == l), 1] for l in fp.moe_layers
+                if l < fp.config.num_hidden_layers}
+        params = load_params(mini, fp.config, experts=mine)
+        held = sum(v.nbytes for k, v in params.items()
+                   if ".experts." in k or dp.device.kind == "cpu")
+        assert dp.host_bytes == row["host_bytes"] == held > 0, dp.device.name
+        total += held
+    assert d["host_bytes"] == total
+    # against the bf16 the budget counts: a cpu device holds twice its dense weights, less
+    # the float32 router bias that is float32 in both
+    bias = 4 * fp.config.n_routed_experts * len(fp.moe_layers)
+    assert sum(v.nbytes for k, v in load_params(mini, fp.config).items() if ".experts." not in k) \
+        == 2 * fp.dense_bytes - bias
+
+
+def test_cpu_device_over_budget_in_float32_is_warned(capsys):
+    """A cpu device whose bf16 plan fits but whose float32 weights do not gets a warning that
+    names it (the placement itself is unchanged), in the JSON and in the table."""
+    mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini"
+    fp = Footprint.from_file(mini)
+    kv = BLOCK * fp.kv_bytes_per_token("f32")
+    all_bf16 = fp.dense_bytes + kv + fp.routed_experts * fp.expert_bytes("bf16")
+    p = plan(fp, [DeviceBudget("tight", "cpu", all_bf16)], tier="f32", ctx=BLOCK, experts="bf16")
+    assert len(p.host) == 0 and p.devices[0].free_bytes == 0  # every expert pinned: it fits in bf16
+    assert p.devices[0].host_bytes + kv > all_bf16
+    assert any(w.startswith("device tight: a kvfleet job holds its weights as float32") for w in p.warnings)
+    roomy = plan(fp, [DeviceBudget("big", "cpu", 3 * all_bf16)], tier="f32", ctx=BLOCK, experts="bf16")
+    assert roomy.warnings == []
