@@ -13,7 +13,10 @@ outside that set turned into "_" and its leading dots dropped, is cut to MAX_STE
 different names never share a file, and no name can leave the directory. Each file is
 guarded by an exclusive `fcntl.flock` on a sidecar "<file>.lock" (not on the data file,
 which an atomic rewrite replaces); a second writer, in this process or another, gets
-SlotBusyError naming the file and the holder's pid.
+SlotBusyError naming the file and the holder's pid. A slot file that is a symlink (onto
+shared storage) is written through to its target, so its lock is the link's sidecar and
+also the target's, "<target>.lock": two links to one file, or a link and the file's own
+path, exclude each other.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import re
 from contextlib import contextmanager
 
 from kernels.tiers import Tier
-from kvstore.cachefile import CacheFile
+from kvstore.cachefile import CacheFile, rewrite_target
 from kvstore.coli import ColiKVFile
 from kvstore.disk import ArrowKVFile
 from kvstore.fingerprint import Fingerprint
@@ -34,11 +37,12 @@ MAX_STEM = 80
 
 
 class SlotBusyError(RuntimeError):
-    """Another writer holds the slot file's lock; `holder` is its pid as the lock file says."""
+    """Another writer holds the slot file's lock; `holder` is its pid as the lock file
+    `lock_path` says."""
 
-    def __init__(self, message: str, holder: str = "unknown"):
+    def __init__(self, message: str, holder: str = "unknown", lock_path: str = ""):
         super().__init__(message)
-        self.holder = holder
+        self.holder, self.lock_path = holder, lock_path
 
 
 def slot_filename(name: str, suffix: str) -> str:
@@ -53,50 +57,81 @@ def slot_filename(name: str, suffix: str) -> str:
 class SlotLock:
     """An exclusive, non-blocking flock on `path`.lock; released by close().
 
-    close(remove=True) also deletes the lock file, while still holding it (`kvfleet kv
+    A `path` that is a symlink is read and rewritten through to the file at the end of its
+    chain (cachefile.rewrite_target), so it is locked there too: `<target>.lock` beside the
+    target, after `path`.lock (kept, so that a process that locks only the link's sidecar,
+    as kvfleet did before, is still excluded). A link that does not resolve has only its own
+    sidecar to lock; loading or rewriting it refuses (cachefile.unresolved_link). A plain
+    file has the one sidecar `path`.lock, as ever. `lock_paths` lists what is held.
+
+    close(remove=True) also deletes the lock files, while still holding them (`kvfleet kv
     convert` does, so that no OUT.lock is left beside the file it wrote). An opener that got
-    the file before it was deleted then holds a lock on a name no one else can open, so
-    every opener checks, once locked, that the path still names the file it locked, and
-    opens it again when it does not."""
+    a file before it was deleted then holds a lock on a name no one else can open, so every
+    opener checks, once locked, that the path still names the file it locked, and opens it
+    again when it does not."""
 
     def __init__(self, path: str):
         self.path, self.lock_path = path, path + ".lock"
-        while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise SlotBusyError(f"{path}: KV cache file is in use by another writer (pid "
-                                    f"{holder}); stop that process or use another --kv-cache-dir",
-                                    holder) from None
-            except OSError:
-                os.close(fd)
-                raise
-            try:
-                current = os.stat(self.lock_path)
-            except FileNotFoundError:
-                current = None
-            if current is not None and os.path.samestat(os.fstat(fd), current):
-                break
-            os.close(fd)  # a holder deleted it as it let go: lock the file that is there now
-        self._fd = fd
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+        try:
+            target = rewrite_target(path)
+        except OSError:  # a link that does not resolve: nothing beyond it to lock
+            target = path
+        self.lock_paths = [self.lock_path]
+        if target != path:
+            self.lock_paths.append(target + ".lock")
+        self._fds: list[int] = []
+        try:
+            for lock_path in self.lock_paths:
+                name = path if lock_path == self.lock_path else f"{path} (a link to {target})"
+                self._fds.append(_lock(lock_path, name))
+        except BaseException:
+            self._release(remove=False)
+            raise
 
     def close(self, remove: bool = False) -> None:
-        """Releases the lock; with `remove`, deletes the lock file first (safe while held:
+        """Releases the lock; with `remove`, deletes the lock files first (safe while held:
         see the class docstring)."""
-        if self._fd >= 0:
-            if remove:
+        self._release(remove)
+
+    def _release(self, remove: bool) -> None:
+        if remove:
+            for lock_path in self.lock_paths[:len(self._fds)]:
                 try:
-                    os.unlink(self.lock_path)
+                    os.unlink(lock_path)
                 except FileNotFoundError:
                     pass
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
+        for fd in reversed(self._fds):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self._fds = []
+
+
+def _lock(lock_path: str, name: str) -> int:
+    """An fd holding the flock of `lock_path` (created if missing), with our pid written in;
+    SlotBusyError naming `name` when another writer holds it."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise SlotBusyError(f"{name}: KV cache file is in use by another writer (pid "
+                                f"{holder}); stop that process or use another --kv-cache-dir",
+                                holder, lock_path) from None
+        except OSError:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(lock_path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(fd), current):
+            break
+        os.close(fd)  # a holder deleted it as it let go: lock the file that is there now
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class SlotFiles:

@@ -162,7 +162,7 @@ def convert_cmd(args) -> int:
         dst = cls(args.output, src.fp, dst_tier)
         dst.rewrite(out)
     finally:
-        lock.close(remove=True)  # (held by us: no other process can hold OUT.lock now)
+        lock.close(remove=True)  # (held by us: no other process can hold its lock files now)
     print(f"wrote {len(out)} records ({dst_tier.name}, {fmt}) to {args.output} "
           f"({os.path.getsize(args.output)} bytes; from {src_fmt} {src.tier.name})")
     return 0
@@ -175,7 +175,7 @@ def _lock_output(path: str) -> SlotLock:
         return SlotLock(path)
     except SlotBusyError as e:
         raise UsageError(f"{path}: KV cache file is in use by a running job (pid {e.holder} holds "
-                         f"{path}.lock); nothing written: stop it or convert to another "
+                         f"{e.lock_path}); nothing written: stop it or convert to another "
                          f"file") from None
     except OSError as e:
         raise UsageError(f"{path}: cannot lock the output ({e.strerror}: {path}.lock); "

@@ -341,3 +341,28 @@ def test_convert_onto_a_symlink_that_does_not_resolve_is_refused(tmp_path, capsy
     assert "nothing written" in err and "wrote" not in out
     assert os.path.islink(out_link) and os.readlink(out_link) == gone
     assert sorted(os.listdir(tmp_path)) == ["in.arrow", "o.arrow"]
+
+
+def test_convert_onto_a_file_a_job_holds_through_a_link_is_refused(tmp_path, capsys):
+    # A job held its slot file through a link onto the share; convert run on the share's
+    # own path took that path's sidecar, which no one held, and rewrote the file under it.
+    from kvstore.slots import SlotLock
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "share").mkdir()
+    src, real, link = tmp_path / "in.arrow", tmp_path / "share" / "real.arrow", tmp_path / "cache" / "c.arrow"
+    write(ArrowKVFile, src, FP, "kv8", [records(FP, "kv8", 4, seed=24)])
+    write(ArrowKVFile, real, FP, "kv8", [records(FP, "kv8", 2, seed=25)])
+    os.symlink(real, link)
+    before = real.read_bytes()
+    held = SlotLock(str(link))  # the running job's lock
+    try:
+        rc, out, err = run(capsys, "kv", "convert", src, real, "--to", "kv8")
+        assert rc == 2 and f"{real}: KV cache file is in use by a running job" in err, err
+        assert f"holds {real}.lock" in err and "wrote" not in out
+        assert real.read_bytes() == before
+    finally:
+        held.close()
+    assert run(capsys, "kv", "convert", src, real, "--to", "kv8")[0] == 0  # free: it goes
+    assert run(capsys, "kv", "convert", src, link, "--to", "kv8")[0] == 0
+    assert sorted(os.listdir(tmp_path / "cache")) == ["c.arrow"]  # no lock file left behind
+    assert sorted(os.listdir(tmp_path / "share")) == ["real.arrow"]

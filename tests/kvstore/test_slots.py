@@ -129,3 +129,125 @@ def test_a_lock_file_removed_while_an_opener_waits_is_opened_again(tmp_path, mon
         first.close(remove=True)
     assert not os.path.exists(path + ".lock")
     SlotLock(path).close()  # free again
+
+
+def _share(tmp_path, fmt="arrow"):
+    """A slot file on 'shared storage' and two cache dirs whose slot 'c' links to it (one
+    relative link, one two-hop chain through the other)."""
+    s = SlotFiles(tmp_path / "share", FP, "kv8", fmt=fmt)
+    target = s.path("real")
+    with s.open("real") as f:
+        f.load()
+        f.append(records(FP, "kv8", 3))
+    a, b = SlotFiles(tmp_path / "a", FP, "kv8", fmt=fmt), SlotFiles(tmp_path / "b", FP, "kv8", fmt=fmt)
+    os.symlink(os.path.join("..", "share", os.path.basename(target)), a.path("c"))
+    os.symlink(a.path("c"), b.path("c"))
+    return s, a, b, target
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "coli"])
+def test_two_links_to_one_file_exclude_each_other(tmp_path, fmt):
+    # The lock was taken on each link's own sidecar: two jobs whose cache dirs link one slot
+    # file onto a share both got it and both appended to (and rewrote) the shared file.
+    _, a, b, target = _share(tmp_path, fmt)
+    with a.open("c") as f:
+        f.load()
+        with pytest.raises(SlotBusyError, match=rf"in use by another writer \(pid {os.getpid()}\)") as e:
+            with b.open("c"):
+                pass
+        assert f"{b.path('c')} (a link to {target})" in str(e.value)
+        assert e.value.lock_path == target + ".lock" and e.value.holder == str(os.getpid())
+    with b.open("c") as f:  # released: the other link gets it, and reads the shared file
+        assert len(f.load()) == 3
+        with pytest.raises(SlotBusyError, match="a link to"):
+            with a.open("c"):
+                pass
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "coli"])
+def test_a_link_and_its_targets_own_path_exclude_each_other(tmp_path, fmt):
+    s, a, _, target = _share(tmp_path, fmt)
+    with a.open("c"):
+        with pytest.raises(SlotBusyError) as e:
+            with s.open("real"):  # e.g. kv convert run on the share's file
+                pass
+        assert str(e.value).startswith(f"{target}: ") and e.value.lock_path == target + ".lock"
+    with s.open("real"):
+        with pytest.raises(SlotBusyError, match=f"a link to {target}"):
+            with a.open("c"):
+                pass
+    # the link's own sidecar is still taken too (a process that locks only it is excluded)
+    held = SlotLock(a.path("c"))
+    try:
+        assert held.lock_paths == [a.path("c") + ".lock", target + ".lock"]
+        assert open(a.path("c") + ".lock").read() == str(os.getpid())
+        assert open(target + ".lock").read() == str(os.getpid())
+    finally:
+        held.close()
+    SlotLock(target).close()  # all released
+
+
+def test_a_busy_target_leaves_the_links_sidecar_free(tmp_path):
+    s, a, _, target = _share(tmp_path)
+    held = SlotLock(target)
+    try:
+        with pytest.raises(SlotBusyError):
+            SlotLock(a.path("c"))
+    finally:
+        held.close()
+    SlotLock(a.path("c")).close()  # the refused opener did not keep the link's sidecar
+
+
+def test_a_plain_file_keeps_its_one_sidecar(tmp_path):
+    path = str(tmp_path / "p.arrow")
+    lock = SlotLock(path)
+    try:
+        assert lock.lock_paths == [path + ".lock"] and lock.lock_path == path + ".lock"
+        assert sorted(os.listdir(tmp_path)) == ["p.arrow.lock"]
+        assert open(path + ".lock").read() == str(os.getpid())
+        with pytest.raises(SlotBusyError) as e:
+            SlotLock(path)
+        assert str(e.value) == (f"{path}: KV cache file is in use by another writer (pid "
+                                f"{os.getpid()}); stop that process or use another --kv-cache-dir")
+        assert e.value.lock_path == path + ".lock"
+    finally:
+        lock.close(remove=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_link_that_does_not_resolve_locks_its_own_sidecar(tmp_path):
+    link = str(tmp_path / "c.arrow")
+    os.symlink(str(tmp_path / "share" / "gone.arrow"), link)
+    lock = SlotLock(link)
+    try:
+        assert lock.lock_paths == [link + ".lock"]
+    finally:
+        lock.close(remove=True)
+    assert os.listdir(tmp_path) == ["c.arrow"]
+
+
+def test_removing_a_links_locks_while_held(tmp_path, monkeypatch):
+    """close(remove=True) through a link deletes both lock files while holding them; an
+    opener that had opened the target's old lock file locks the new one, not the dead one."""
+    import fcntl
+
+    from kvstore import slots
+    _, a, b, target = _share(tmp_path)
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_a_holder_removed_it(fd, op):
+        calls.append(op)
+        if len(calls) == 2:  # the target's lock file, between this opener's open and flock
+            os.unlink(target + ".lock")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(slots.fcntl, "flock", flock_after_a_holder_removed_it)
+    first = SlotLock(a.path("c"))
+    monkeypatch.setattr(slots.fcntl, "flock", real_flock)
+    try:
+        with pytest.raises(SlotBusyError, match="a link to"):
+            SlotLock(b.path("c"))  # the target's lock at its path is the one `first` holds
+    finally:
+        first.close(remove=True)
+    assert not os.path.exists(a.path("c") + ".lock") and not os.path.exists(target + ".lock")
+    SlotLock(b.path("c")).close()  # free again
