@@ -260,6 +260,27 @@ def test_busy_cache_runs_without_reuse(tiny, tmp_path, caplog):
         == first["a"]["completion_tokens"]
 
 
+def test_a_job_through_a_link_is_busy_while_the_shares_file_is_held(tiny, tmp_path, caplog):
+    """A slot file linked onto a share, held by its own path (another job, kv convert): the
+    job on the link took only the link's lock and wrote the share's file under the holder."""
+    cache, share = tmp_path / "cache", tmp_path / "share"
+    toks = prompt(12)
+    first, _ = run(tiny, tmp_path / "r1", [line("a", toks)], share)
+    name = slot_filename("conv", ".arrow")
+    cache.mkdir()
+    os.symlink(share / name, cache / name)
+    size = (share / name).stat().st_size
+    fp = Fingerprint.from_config(ModelConfig.from_file(tiny / "config.json"))
+    with SlotFiles(share, fp, "f32").open("conv"), caplog.at_level(logging.WARNING):
+        rows, st = run(tiny, tmp_path / "r2", [line("a", toks)], cache)
+    assert rows["a"]["cached_prompt_tokens"] == 0 and st.kv_cache == {"busy": 1}
+    assert rows["a"]["completion_tokens"] == first["a"]["completion_tokens"]
+    assert any(f"a link to {share / name}" in r.getMessage() for r in caplog.records)
+    assert (share / name).stat().st_size == size  # the refused writer wrote nothing
+    rows, st = run(tiny, tmp_path / "r3", [line("a", toks)], cache)  # free: it is reused
+    assert rows["a"]["cached_prompt_tokens"] == P - 1 and st.kv_cache["hits"] == 1
+
+
 def test_cache_names_stay_inside_the_dir_and_default_to_the_id(tiny, tmp_path):
     cache = tmp_path / "deep" / "cache"
     lines = [line("a", prompt(12), cache="../../evil"), line("../b", prompt(13), cache=None)]
