@@ -135,6 +135,11 @@ class SlotPersist:
             self.events["busy"] += 1
             self._plain.add(key)
             return 0
+        except OSError as e:  # (e.g. a link onto a share where its lock file cannot be made)
+            log.error("cache %r: opening it failed, the request runs without it: %s", name, e)
+            self.events["errors"] += 1
+            self._plain.add(key)
+            return 0
         try:
             recs = f.load()
             n = min(common_prefix(recs.tokens, prompt), len(prompt) - 1)

@@ -239,6 +239,24 @@ def test_coli_format_reuse(tiny, tmp_path, forwarded):
     assert rows["a"]["completion_tokens"] == first["a"]["completion_tokens"]
 
 
+def test_a_cache_that_cannot_be_opened_runs_without_reuse(tiny, tmp_path, caplog, monkeypatch):
+    """Opening the slot file raises OSError (a link onto a share where its lock file cannot
+    be made, since the lock covers the link's target): the request runs from its prompt with
+    the same tokens and the error is counted, instead of the attach raising out of the step."""
+    cache = tmp_path / "cache"
+    toks = prompt(12)
+    first, _ = run(tiny, tmp_path / "r1", [line("a", toks)], cache)
+
+    def refuse(self, name):
+        raise PermissionError(13, "Permission denied", str(cache / (name + ".lock")))
+    monkeypatch.setattr(SlotFiles, "open", refuse)
+    with caplog.at_level(logging.ERROR):
+        rows, st = run(tiny, tmp_path / "r2", [line("a", toks)], cache)
+    assert rows["a"]["cached_prompt_tokens"] == 0 and st.kv_cache.get("errors") == 1
+    assert rows["a"]["completion_tokens"] == first["a"]["completion_tokens"]
+    assert any("opening it failed" in r.getMessage() for r in caplog.records)
+
+
 def test_busy_cache_runs_without_reuse(tiny, tmp_path, caplog):
     cache = tmp_path / "cache"
     toks = prompt(11)
