@@ -257,6 +257,22 @@ __device__ __forceinline__ void report(float* out, unsigned long long t0, unsign
 // each score their half-tile of a 128-token step, do the softmax, publish P^T (128 tokens)
 // through the vote's barrier and add both half-tiles into their 256 dims; the third
 // warpgroup idles (setmaxnreg 24 / 240 / 240, attn_wg's). nh counts half-tiles (even).
+// SEE=1, the seesaw: the same two warpgroups, but each adds its own half-tile into its 256
+// dims as soon as its own P^T half is made (no wait for the other warpgroup), then the other's
+// half once that is published, so that one warpgroup's softmax can run beside the other's
+// products. Named barriers: 8 + c = P^T half c published (warpgroup c arrives, 1 - c waits),
+// 10 + c = half c read (1 - c arrives once S^T of its next step is done, c waits before its
+// next stores), 12 + c = warpgroup c's own vote (the rescale is per warpgroup here: never
+// taken), 14 / 15: PP=1's alternation of the S^T phases. OFF: warpgroup 1 starts OFF cycles late.
+#ifndef SEE
+#define SEE 0
+#endif
+#ifndef OFF
+#define OFF 0
+#endif
+#ifndef PP
+#define PP 0
+#endif
 extern "C" __global__ void __launch_bounds__(384, 1) lock(float* out, int nh) {
     extern __shared__ __align__(1024) unsigned char smem[];
     fill(smem, 384);
@@ -271,68 +287,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) lock(float* out, int nh) {
     float res = 0.0f;
     const u32 pt_addr = smem_u32(smem + R_PT);
     const u64 qt_desc = make_desc(smem_u32(smem + R_QT), NJ * 128, 128);
-    const u64 pt_desc = make_desc(pt_addr, NJ * 128, 128);
-    const float* sM = (const float*)(smem + R_M);
-    const int lt = 16 * wi + (lane & 7) + (lane & 8);
-    const u32 kb = smem_u32(smem + R_K) + lt * KROW + ((lane >> 4) & 1) * 16;
-    const u32* vw = (const u32*)(smem + R_V) + (wgc * 8 * 128 + (tid & 127)) * 8;
-    float lsum[16], o[4][32];
-    for (int i = 0; i < 16; ++i) lsum[i] = 0.0f;
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) o[mt][i] = 0.0f;
-    const unsigned long long t0 = clk64();
-    for (int step = 0; 2 * step < nh; ++step) {
-        float sacc[CH][32];
-        // (attn_wg's SPEC order: this warpgroup's O^T of the last step has read P^T)
-        s_tile(sacc, kb, qt_desc, [&]() { if (step > 0) bar_arrive(5 + wgc, 256); });
-        const float over = softmax_pt(sacc[0], lsum, sM, pt_addr, 8 * wgc, wi, lane, [&]() {
-            if (step > 0) bar_sync(5 + (wgc ^ 1), 256);  // the other's O^T is done with P^T
-        });
-        if (bar_or(2, 256, over > 1e30f)) res += 1.0f;  // the vote, which publishes P^T
-        o_tile<8, 1>(o, vw, pt_desc, [](int) {}, [](int) {});
-    }
-    wg_wait<0>();
-    const unsigned long long t1 = clk64();
-#pragma unroll
-    for (int i = 0; i < 16; ++i) res += lsum[i];
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) res += o[mt][i];
-    report(out, t0, t1, res);
-}
-
-// Seesaw: attn_wg's two warpgroups as in lock, but each adds its own half-tile into its 256
-// dims as soon as its own P^T half is made (no wait for the other warpgroup), then the other's
-// half once that is published, so that one warpgroup's softmax can run beside the other's
-// products. Named barriers: 8 + c = P^T half c published (warpgroup c arrives, 1 - c waits),
-// 10 + c = half c read (1 - c arrives once S^T of its next step is done, c waits before its
-// next stores), 12 + c = warpgroup c's own vote (the rescale is per warpgroup here: never
-// taken), 14 / 15: PP=1's alternation of the S^T phases. OFF: warpgroup 1 starts OFF cycles late.
-#ifndef OFF
-#define OFF 0
-#endif
-#ifndef PP
-#define PP 0
-#endif
-extern "C" __global__ void __launch_bounds__(384, 1) seesaw(float* out, int nh) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    fill(smem, 384);
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
-    const int wgc = warp >> 2, wi = warp & 3;
-    if (wgc == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
-    float res = 0.0f;
-    const u32 pt_addr = smem_u32(smem + R_PT);
-    const u64 qt_desc = make_desc(smem_u32(smem + R_QT), NJ * 128, 128);
+#if SEE
     const u64 own_desc = make_desc(pt_addr + wgc * 8192, NJ * 128, 128);
     const u64 oth_desc = make_desc(pt_addr + (wgc ^ 1) * 8192, NJ * 128, 128);
+#else
+    const u64 pt_desc = make_desc(pt_addr, NJ * 128, 128);
+#endif
     const float* sM = (const float*)(smem + R_M);
     const int lt = 16 * wi + (lane & 7) + (lane & 8);
     const u32 kb = smem_u32(smem + R_K) + lt * KROW + ((lane >> 4) & 1) * 16;
@@ -344,10 +304,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) seesaw(float* out, int nh) 
 #pragma unroll
         for (int i = 0; i < 32; ++i) o[mt][i] = 0.0f;
     const unsigned long long t0 = clk64();
-    if (OFF > 0 && wgc == 1)
+    if (SEE && OFF > 0 && wgc == 1)
         while (clk64() - t0 < (unsigned long long)OFF) {}
     for (int step = 0; 2 * step < nh; ++step) {
         float sacc[CH][32];
+#if SEE
         if (PP && wgc == 1) bar_sync(14, 256);             // warpgroup 0's S^T of this step is done
         if (PP && wgc == 0 && step > 0) bar_sync(15, 256); // warpgroup 1's S^T of the last one
         s_tile(sacc, kb, qt_desc, [&]() {
@@ -363,6 +324,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) seesaw(float* out, int nh) 
         o_tile<4, 1>(o, vw + wgc * 4 * 128 * 8, own_desc, [](int) {}, [](int) {});
         bar_sync(8 + (wgc ^ 1), 256);
         o_tile<4, 1>(o, vw + (wgc ^ 1) * 4 * 128 * 8, oth_desc, [](int) {}, [](int) {});
+#else
+        // (attn_wg's SPEC order: this warpgroup's O^T of the last step has read P^T)
+        s_tile(sacc, kb, qt_desc, [&]() { if (step > 0) bar_arrive(5 + wgc, 256); });
+        const float over = softmax_pt(sacc[0], lsum, sM, pt_addr, 8 * wgc, wi, lane, [&]() {
+            if (step > 0) bar_sync(5 + (wgc ^ 1), 256);  // the other's O^T is done with P^T
+        });
+        if (bar_or(2, 256, over > 1e30f)) res += 1.0f;  // the vote, which publishes P^T
+        o_tile<8, 1>(o, vw, pt_desc, [](int) {}, [](int) {});
+#endif
     }
     wg_wait<0>();
     const unsigned long long t1 = clk64();
@@ -472,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) roles(float* out, int nh) {
 
 def run(defs: dict, nh: int = 256) -> tuple[float, float]:
     defs = dict(defs)
-    name = "lock" if defs.pop("LOCK", 0) else ("seesaw" if defs.pop("SEE", 0) else "roles")
+    name = "lock" if defs.pop("LOCK", 0) or defs.get("SEE") else "roles"  # (SEE: a lock variant)
     src = "".join(f"#define {k} {v}\n" for k, v in defs.items()) + _helpers() + SRC
     mod = cp.RawModule(code=src, options=("-arch=sm_90a", "--std=c++17"))
     fn = mod.get_function(name)
@@ -482,7 +452,7 @@ def run(defs: dict, nh: int = 256) -> tuple[float, float]:
     fn.max_dynamic_shared_size_bytes = smem
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = cp.zeros(sms * 6, cp.float32)
-    threads = 384 if name in ("lock", "seesaw") else 512
+    threads = 384 if name == "lock" else 512
     fn((sms,), (threads,), (out, np.int32(8)), shared_mem=smem)
     fn((sms,), (threads,), (out, np.int32(nh)), shared_mem=smem)
     cp.cuda.Device().synchronize()
