@@ -45,11 +45,22 @@ def spec(tiny, name):
     return WorkerSpec(name, str(tiny), "f32", 3, 64)
 
 
-def stopped(group, i):
-    """Stop worker i's process (it hangs: takes calls, runs none); returns its pid."""
+def generate_with_one_stopped(group, i, tiny):
+    """Stop worker i's process (it hangs: takes calls, runs none), run the job on the group
+    and close it; returns (results, stats, seconds the job took, the stopped pid). Should the
+    group fail to end the process, it is killed here (our own actor)."""
     pid = group.info[i]["pid"]
     os.kill(pid, signal.SIGSTOP)
-    return pid
+    try:
+        t0 = time.monotonic()
+        got, stats = generate(group, tiny)
+        took = time.monotonic() - t0
+        group.close()
+    finally:
+        if not gone(pid, 0):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+    return got, stats, took, pid
 
 
 def gone(pid, within_s=30.0) -> bool:
@@ -68,16 +79,7 @@ def test_hung_worker_is_killed_and_its_sequences_rerun_on_the_other(ray, tiny):
     ref, _ = generate(LocalGroup([Worker(spec(tiny, "w"))]), tiny)
     group = RayGroup([(spec(tiny, "a"), {"num_cpus": 0.5}), (spec(tiny, "b"), {"num_cpus": 0.5})],
                      step_timeout_s=3.0)
-    pid = stopped(group, 1)
-    try:
-        t0 = time.monotonic()
-        got, stats = generate(group, tiny)
-        took = time.monotonic() - t0
-        group.close()
-    finally:
-        if not gone(pid, 0):
-            os.kill(pid, signal.SIGCONT)  # (our own actor: the group failed to end it)
-            os.kill(pid, signal.SIGKILL)
+    got, stats, took, pid = generate_with_one_stopped(group, 1, tiny)
     assert took < 60, took
     assert set(got) == set(ref)
     for k in ref:
@@ -91,16 +93,7 @@ def test_hung_worker_is_killed_and_its_sequences_rerun_on_the_other(ray, tiny):
 
 def test_a_lone_hung_worker_fails_its_requests_after_the_step_timeout(ray, tiny):
     group = RayGroup([(spec(tiny, "a"), {"num_cpus": 0.5})], step_timeout_s=3.0)
-    pid = stopped(group, 0)
-    try:
-        t0 = time.monotonic()
-        got, stats = generate(group, tiny)
-        took = time.monotonic() - t0
-        group.close()
-    finally:
-        if not gone(pid, 0):
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGKILL)
+    got, stats, took, pid = generate_with_one_stopped(group, 0, tiny)
     assert 3 <= took < 60, took  # the step timeout
     assert len(got) == N
     assert all(r.finish_reason == "error" and r.error == "no live worker left"

@@ -198,35 +198,43 @@ sys.exit(3)
 """
 
 
-def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
-    """A round's run served every line and then exited 3: nothing lost, so the soak passed
-    (exit 0) with a crashed build. Its rows stay, and the failed round fails the gate, shows in
-    rounds.parquet, summary.json and the report. (A fake checkout runs the round; Ray is not
-    started: the soak only hands the rounds its address.)"""
+def _fake_checkout_arm(tmp_path, monkeypatch, generate: str, soak_yaml: str, counted=None):
+    """An arm config whose soak.working_dir is a fake checkout: its `python -m cluster` is
+    `generate` (a script that writes a results file). Ray is not started (the soak only hands
+    the rounds its address); its metrics Counter is a stand-in that appends (name, arm,
+    value) to `counted` for each record or increment."""
     import ray
     import ray.util.metrics
-
-    counted = []
 
     class FakeCounter:
         def __init__(self, name, *a, **kw):
             self.name = name
 
         def _record(self, value, tags):
-            counted.append((self.name, tags["arm"], value))
+            if counted is not None:
+                counted.append((self.name, tags["arm"], value))
 
-        def inc(self, value, tags):
-            counted.append((self.name, tags["arm"], value))
+        inc = _record
 
     monkeypatch.setattr(ray.util.metrics, "Counter", FakeCounter)
-    build = tmp_path / "crashing-build"
+    build = tmp_path / "build"
     (build / "cluster").mkdir(parents=True)
-    (build / "cluster" / "__main__.py").write_text(FAKE_GENERATE)
+    (build / "cluster" / "__main__.py").write_text(generate)
     cfg = tmp_path / "arm.yaml"
-    cfg.write_text("kv: kv8\nsoak:\n  label: crashy\n  working_dir: crashing-build\n")
+    cfg.write_text(f"kv: kv8\nsoak:\n{soak_yaml}  working_dir: build\n")
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context",
                         lambda: type("Ctx", (), {"gcs_address": "127.0.0.1:1"})())
+    return cfg
+
+
+def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
+    """A round's run served every line and then exited 3: nothing lost, so the soak passed
+    (exit 0) with a crashed build. Its rows stay, and the failed round fails the gate, shows in
+    rounds.parquet, summary.json and the report. (A fake checkout runs the round; Ray is not
+    started: the soak only hands the rounds its address.)"""
+    counted = []
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, FAKE_GENERATE, "  label: crashy\n", counted)
     out = tmp_path / "soak"
     plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path), out=out, rounds=2)
     summary, code = runner.run_soak(plan)
@@ -282,27 +290,9 @@ def test_a_soak_of_only_invalid_prompt_lines_fails_the_default_gate(tmp_path, mo
     """Every prompt line malformed: each round's rows are input errors, which count as
     served, every run exits 0, and max_errors is null by default: the single-arm soak
     passed (exit 0) having served nothing."""
-    import ray
-    import ray.util.metrics
-
-    class NoCounter:
-        def __init__(self, *a, **kw):
-            pass
-
-        def inc(self, value, tags):
-            pass
-
-    monkeypatch.setattr(ray.util.metrics, "Counter", NoCounter)
-    build = tmp_path / "build"
-    (build / "cluster").mkdir(parents=True)
-    (build / "cluster" / "__main__.py").write_text(INVALID_ONLY_GENERATE)
-    cfg = tmp_path / "arm.yaml"
-    cfg.write_text("kv: kv8\nsoak:\n  working_dir: build\n")
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, INVALID_ONLY_GENERATE, "")
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"id": "a", "prompt": \n{"prompt": 3}\n')
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(ray, "get_runtime_context",
-                        lambda: type("Ctx", (), {"gcs_address": "127.0.0.1:1"})())
     plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=prompts, out=tmp_path / "soak", rounds=2)
     summary, code = runner.run_soak(plan)
     assert summary["faults"]["lost_requests"] == 0 and summary["faults"]["failed_rounds"] == 0

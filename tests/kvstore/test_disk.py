@@ -524,16 +524,23 @@ def test_writer_refuses_a_file_truncated_in_place_since_it_loaded(tmp_path, op):
     assert same(g.load(), old.slice(0, 4)) and "torn or corrupt tail after record 4" in g.message
 
 
-@pytest.mark.parametrize("cls", ["arrow", "coli"])
-@pytest.mark.parametrize("link", ["loop", "dangling"])
-def test_a_symlink_that_does_not_resolve_is_an_error_not_a_new_cache(tmp_path, cls, link):
-    # A slot file that is a symlink to a share that is not mounted (or a loop) looked like no
-    # file at all: load started a new cache and the next save renamed a file over the link.
+def unresolved_link(tmp_path, cls, link):
+    """(the cache class, a slot path that is a symlink which does not resolve, its target):
+    a link to itself ("loop") or into a share that is not mounted ("dangling")."""
     from kvstore.coli import ColiKVFile
     kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
     p = tmp_path / f"c{kind.suffix}"
     target = p.name if link == "loop" else str(tmp_path / "share" / p.name)
     os.symlink(target, p)
+    return kind, p, target
+
+
+@pytest.mark.parametrize("cls", ["arrow", "coli"])
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_a_symlink_that_does_not_resolve_is_an_error_not_a_new_cache(tmp_path, cls, link):
+    # A slot file that is a symlink to a share that is not mounted (or a loop) looked like no
+    # file at all: load started a new cache and the next save renamed a file over the link.
+    kind, p, target = unresolved_link(tmp_path, cls, link)
     f = kind(p, SMALL, "kv8")
     with pytest.raises(OSError, match=rf"{p}: a symlink to '{target}' that does not resolve"):
         f.load()
@@ -616,11 +623,7 @@ def test_a_rewrite_replaces_a_symlinked_slot_files_target(tmp_path, monkeypatch,
 def test_a_rewrite_refuses_a_symlink_that_does_not_resolve(tmp_path, cls, link):
     # rewrite() without a load (kv convert's output) onto a link to an unmounted share put a
     # regular file in the link's place; it is the same error as load's and the link stays.
-    from kvstore.coli import ColiKVFile
-    kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
-    p = tmp_path / f"c{kind.suffix}"
-    target = p.name if link == "loop" else str(tmp_path / "share" / p.name)
-    os.symlink(target, p)
+    kind, p, target = unresolved_link(tmp_path, cls, link)
     with pytest.raises(OSError, match=rf"{p}: a symlink to '{target}' that does not resolve"):
         kind(p, SMALL, "kv8").rewrite(records(SMALL, "kv8", 2, seed=94))
     assert os.path.islink(p) and os.readlink(p) == target
