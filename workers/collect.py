@@ -2,8 +2,8 @@
 the group forever (cluster/ep_group.py ShardedGroup, workers/actor.py RayGroup).
 
 `collect_steps` gets every step's result (an error as its value). A grace period starts
-at a trigger: the first failed step, or with `after_any` the first step to end at all, or
-`timeout_s` after the steps were submitted, whichever comes first. When it runs out, the
+at the first failed step, or `timeout_s` after the steps were submitted, whichever comes
+first. When it runs out, the
 steps still running are checked with `silent` (a ping); those that do not answer get a
 StepHung as their result, and the ones that answer are only slow and are waited for.
 """
@@ -26,7 +26,7 @@ def no_ping(workers) -> dict[int, str]:
 
 def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float,
                   silent: Callable[[list[int]], dict[int, str]] = no_ping, *,
-                  after_any: bool = False, timeout_s: float | None = None) -> dict[int, Any]:
+                  timeout_s: float | None = None) -> dict[int, Any]:
     """ray.get of every ref, under the grace rule of the module docstring (grace_s inf: no
     grace, the timeout alone; timeout_s None: none)."""
     out: dict[int, Any] = {}
@@ -40,8 +40,7 @@ def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: flo
             hung = silent(list(pending))
             for i in hung:
                 pending.pop(i)
-                grace = (f"grace {grace_s:g} s after "
-                         f"{'another worker' if after_any else 'a failed'} step ended, "
+                grace = (f"grace {grace_s:g} s after a failed step ended, "
                          if math.isfinite(grace_s) else "")
                 out[i] = StepHung(f"worker {names[i]}: its step still runs after "
                                   f"{time.monotonic() - t0:.0f} s ({grace}step timeout "
@@ -54,7 +53,7 @@ def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: flo
                 failed = False
             except ray.exceptions.RayError as e:
                 out[i], failed = e, True
-            if (failed or after_any) and pending and math.isfinite(grace_s):  # (inf: no grace)
+            if failed and pending and math.isfinite(grace_s):  # (inf: no grace)
                 end = time.monotonic() + grace_s
                 deadline = end if deadline is None else min(deadline, end)
     return out
