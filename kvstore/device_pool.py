@@ -163,9 +163,10 @@ class DevicePool(KVPool):
         positions = np.asarray(positions, np.int64)
         key = slots.tobytes() + b"|" + positions.tobytes() + b"|" + np.int64(n_heads).tobytes()
         if key != self._plan_key:
-            per_sm = cuda_attention.ctas_per_sm(self.tier, n_heads, self.kv_lora, self.rope,
-                                                self.block_size)
-            self._plan = cuda_attention.decode_plan(slots, positions, ctas_per_sm=per_sm)
+            widths = (self.tier, n_heads, self.kv_lora, self.rope, self.block_size)
+            self._plan = cuda_attention.decode_plan(
+                slots, positions, ctas_per_sm=cuda_attention.ctas_per_sm(*widths),
+                head_groups=cuda_attention.head_groups(*widths))
             self._plan_key = key
         return self._plan
 

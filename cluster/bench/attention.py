@@ -261,9 +261,9 @@ def bench_cuda(args) -> dict:
             planes, tables = _device_planes(tier, B, T, rng)
             nbytes = B * T * tier.token_bytes(DL, DR)
             for H in args.head_counts:
-                per_sm = cuda_attention.ctas_per_sm(tier, H, DL, DR)
-                plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1),
-                                                  ctas_per_sm=per_sm)
+                plan = cuda_attention.decode_plan(
+                    np.arange(B), np.full(B, T - 1), ctas_per_sm=cuda_attention.ctas_per_sm(
+                        tier, H, DL, DR), head_groups=cuda_attention.head_groups(tier, H, DL, DR))
                 q_lat = cp.random.standard_normal((B, H, DL), dtype=cp.float32)
                 q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
                 fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
@@ -323,7 +323,8 @@ def _breakdown_rows(args) -> list[dict]:
             q_rope = cp.random.standard_normal((B, H, DR), dtype=cp.float32)
             row = {"tier": tier_name, "H": H}
             plan = cuda_attention.decode_plan(np.arange(B), np.full(B, T - 1), ctas_per_sm=(
-                cuda_attention.ctas_per_sm(tier, H, DL, DR)))
+                cuda_attention.ctas_per_sm(tier, H, DL, DR)), head_groups=(
+                cuda_attention.head_groups(tier, H, DL, DR)))
             for name, skip in SKIPS.items():
                 fn = lambda: cuda_attention.paged_mla_decode(  # noqa: E731
                     tier, planes, tables, plan, q_lat, q_rope, SCALE, _skip=skip)

@@ -1,6 +1,7 @@
 """Paged MLA decode attention on CUDA over the pool's coded planes (f32, kv8, tq4).
 
-    plan = decode_plan(tables_rows[N], positions[N], tier, n_heads)   # once per step
+    plan = decode_plan(tables_rows[N], positions[N], ctas_per_sm=ctas_per_sm(tier, H, ...),
+                       head_groups=head_groups(tier, H, ...))        # once per step
     ctx  = paged_mla_decode(tier, planes, block_tables, plan, q_lat, q_rope, scale)
 
 Query i attends keys 0..positions[i] of block-table row tables_rows[i] (-1 = padding query,
@@ -437,6 +438,13 @@ def ctas_per_sm(tier: Tier | str, n_heads: int, kv_lora: int, rope: int,
     return shape.minb if isinstance(shape, Shape) else 1
 
 
+def head_groups(tier: Tier | str, n_heads: int, kv_lora: int, rope: int,
+                block_size: int = 16) -> int:
+    """CTAs per work item of the kernel for this tier and head count: its groups of heads
+    (2 for 128 heads on attn_wg's 64; for decode_plan). 1 where no kernel fits."""
+    return max(1, _choose(get_tier(tier), n_heads, kv_lora, rope, block_size).groups)
+
+
 class _Kernels:
     """The three compiled functions of one Shape, shared memory limit set once."""
 
@@ -468,10 +476,13 @@ class DecodePlan:
                       # (so aligned runs of that many items belong to one query)
 
 
-def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) -> DecodePlan:
+def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1,
+                head_groups: int = 1) -> DecodePlan:
     """Split every query's keys 0..positions[i] into chunks so that about one wave of CTAs
-    (n_sm * ctas_per_sm; see ctas_per_sm()) covers the step. rows, positions: host int
-    arrays [N]."""
+    (n_sm * ctas_per_sm; see ctas_per_sm()) covers the step, each work item taking
+    head_groups CTAs (see head_groups()). rows, positions: host int arrays [N]."""
+    if head_groups < 1:
+        raise ValueError(f"head_groups {head_groups}: at least 1")
     rows = np.asarray(rows, np.int64)
     pos = np.asarray(positions, np.int64)
     if rows.shape != pos.shape or rows.ndim != 1:
@@ -482,7 +493,7 @@ def decode_plan(rows, positions, n_sm: int | None = None, ctas_per_sm: int = 1) 
     total = int(n_keys.sum())
     if n_sm is None:
         n_sm = _device_info(cp.cuda.Device().id)[3]
-    n_sm *= ctas_per_sm
+    n_sm = max(1, n_sm * ctas_per_sm // head_groups)  # work items in one wave
     # One CTA per SM: the smallest multiple of 64 (every tile size divides it) whose work
     # items fit in one wave, so no second wave runs a handful of stragglers.
     chunk = -(-max(MIN_CHUNK, -(-max(total, 1) // n_sm)) // 64) * 64

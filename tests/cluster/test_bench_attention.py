@@ -50,7 +50,8 @@ def test_breakdown_times_every_variant_on_attention_cu(monkeypatch):
     fake = types.SimpleNamespace(
         WG_ENV="KVFLEET_CUDA_WGMMA", paged_mla_decode=decode,
         ctas_per_sm=lambda tier, H, dl, dr: 1 if wgmma() or H > 16 else 2,
-        decode_plan=lambda rows, positions, ctas_per_sm=1: f"{ctas_per_sm} CTA/SM")
+        head_groups=lambda tier, H, dl, dr: 1,
+        decode_plan=lambda rows, positions, ctas_per_sm=1, head_groups=1: f"{ctas_per_sm} CTA/SM")
     cp = types.SimpleNamespace(float32="float32",
                                random=types.SimpleNamespace(standard_normal=lambda *a, **k: None),
                                get_default_memory_pool=lambda: types.SimpleNamespace(

@@ -239,3 +239,24 @@ def test_the_kernel_choice_is_made_once_per_shape_not_per_layer_call(fake_cupy, 
     monkeypatch.setenv("KVFLEET_CUDA_WGMMA", "0")  # a knob: chosen afresh
     A.paged_mla_decode("kv8", *args, 1.0)
     assert isinstance(launched[-1], A.Shape) and launched[-1].bt == 64
+
+
+@pytest.mark.parametrize("cc", ["90", "89"])
+def test_plan_for_two_head_groups_stays_one_wave(fake_cupy, cc):
+    """(at 128 heads each work item runs as two CTAs of 64 heads (attn_wg; attention.cu
+    splits heads too where its tiles do not fit), but the plan sized its items for one CTA
+    each: 16 x 32k made 128 items, 256 CTAs, two waves on 132 SMs)"""
+    fake_cupy(cc=cc)
+    from kernels.cuda import attention as A
+
+    rows, pos = np.arange(16), np.full(16, 32767)
+    groups = A.head_groups("kv8", 128, 512, 64)
+    per_sm = A.ctas_per_sm("kv8", 128, 512, 64)
+    assert groups >= 2 and A.head_groups("kv8", 64, 512, 64) == 1
+    plan = A.decode_plan(rows, pos, n_sm=132, ctas_per_sm=per_sm, head_groups=groups)
+    assert plan.n_work * groups <= 132 * per_sm < A.decode_plan(rows, pos, n_sm=132,
+                                                                ctas_per_sm=per_sm).n_work * groups
+    work = plan.work.get()
+    assert (work[:, 3] - work[:, 2]).sum() == 16 * 32768  # every key in exactly one item
+    with pytest.raises(ValueError, match="head_groups 0"):
+        A.decode_plan(rows, pos, n_sm=132, head_groups=0)
