@@ -21,7 +21,8 @@ not bit for bit (tests/gpu/test_cuda_model.py states it).
 
 Kernel launches: gate and up projections are one GEMM ([2I, H] stacked at load), routed
 experts are one GEMM set per used expert (picks grouped on the host), and a token's routed
-outputs are summed in ascending expert order, as workers.moe.expert_sum adds them.
+outputs are summed in ascending expert order, as workers.moe.expert_sum adds them (both in
+workers.moe.grouped_expert_sum, written once for numpy and CuPy).
 
 CuPy is imported lazily: this module imports on machines without it (`use_cuda` says why a
 `cuda` worker runs the numpy model instead). `load_cuda(...)` is the worker's factory.
@@ -39,7 +40,7 @@ import numpy as np
 from workers.config import ModelConfig
 from workers.mla import project
 from workers.model import Model, check_batch, check_logits_at
-from workers.moe import route
+from workers.moe import grouped_expert_sum, route
 from workers.rope import Rope
 from workers.weights import load_params
 
@@ -174,31 +175,11 @@ class CudaLayer:
         return out
 
     def _routed(self, y, idx: np.ndarray, w: np.ndarray):
-        """sum_k w[n, k] * expert_{idx[n, k]}(y[n]), the picks of each token added in
-        ascending expert order (workers.moe.expert_sum's order). idx, w: host [N, k]."""
+        """sum_k w[n, k] * expert_{idx[n, k]}(y[n]) (idx, w: host [N, k]) through
+        workers.moe.grouped_expert_sum."""
         import cupy as cp
-        N, k = idx.shape
-        flat = idx.reshape(-1)
-        order = np.argsort(flat, kind="stable")  # picks grouped by expert
-        experts, starts = np.unique(flat[order], return_index=True)
-        ends = np.append(starts[1:], len(order))
-        rank = np.argsort(np.argsort(idx, axis=1, kind="stable"), axis=1)  # pick's place in its sum
-        dest = (order // k) * k + rank.reshape(-1)[order]  # [token, place] of each grouped pick
-        back = np.empty_like(dest)
-        back[dest] = np.arange(len(dest))  # grouped row of each [token, place]
-        tok = cp.asarray((order // k).astype(np.int64))
-        back = cp.asarray(back.astype(np.int64))
-        wts = cp.asarray(w.reshape(-1)[order].astype(np.float32))[:, None]
-        xs = cp.take(y, tok, axis=0)  # [P, hidden], grouped by expert
         gu, down = self.d["experts.gate_up"], self.d["experts.down"]
-        ys = cp.empty_like(xs)  # weighted expert outputs, grouped by expert
-        for e, a, b in zip(experts.tolist(), starts.tolist(), ends.tolist()):
-            cp.multiply(gated_mlp(xs[a:b], gu[e], down[e]), wts[a:b], out=ys[a:b])
-        z = cp.take(ys, back, axis=0).reshape(N, k, -1)
-        out = z[:, 0].copy()
-        for j in range(1, k):
-            out += z[:, j]
-        return out
+        return grouped_expert_sum(y, idx, w, lambda e, r: gated_mlp(r, gu[e], down[e]), cp)
 
     def __call__(self, x, slots, positions, pool, cos, sin):
         eps, d = self.cfg.rms_norm_eps, self.d

@@ -13,6 +13,8 @@ Then weights /= sum + 1e-20 when norm_topk_prob, and *= routed_scaling_factor.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 from workers.config import ModelConfig
@@ -72,6 +74,46 @@ def expert_sum(x: np.ndarray, idx: np.ndarray, w: np.ndarray, gate: np.ndarray, 
     for e, pick in picks_by_expert(idx):  # one matmul per expert that has tokens
         tok = pick // idx.shape[1]  # each token picks an expert at most once: no repeated rows
         out[tok] += gated_mlp(x[tok], gate[e], up[e], down[e]) * wf[pick, None]
+    return out
+
+
+def grouped_expert_sum(x, idx: np.ndarray, w: np.ndarray, mlp: Callable, xp: Any = np):
+    """expert_sum's sum, written once for numpy and CuPy: x [N, hidden] and the result are
+    arrays of module `xp` (numpy, or cupy on a GPU), idx / w host [N, k] (w float32), and
+    `mlp(e, rows [n, hidden]) -> [n, hidden]` is expert e's gated MLP in that module.
+
+    The picks are grouped by expert, ascending (picks_by_expert; idx < 0 skipped): one mlp
+    call per expert that has tokens, on a contiguous block of the gathered rows, times the
+    picks' weights. Then each token's weighted outputs are added onto zeros in ascending
+    expert order, as expert_sum adds them (a token with fewer picks adds a zero row in their
+    place: s + 0 is s, and s is never -0 on a sum that starts at +0). So with numpy and
+    `gated_mlp` this gives expert_sum's result bit for bit (tests/workers/test_expert_shard.py)."""
+    N, k = idx.shape
+    groups = picks_by_expert(idx)
+    out = xp.zeros_like(x)
+    if not groups:
+        return out
+    order = np.concatenate([pick for _, pick in groups])  # flat picks, grouped by expert
+    tok = order // k  # each token picks an expert at most once: no token twice in a group
+    count = np.bincount(tok, minlength=N)
+    by_tok = np.argsort(tok, kind="stable")  # a token's picks, still in ascending expert order
+    place = np.empty(len(order), np.int64)  # a pick's place in its token's sum
+    place[by_tok] = np.arange(len(order)) - (np.cumsum(count) - count)[tok[by_tok]]
+    depth = int(count.max())
+    back = np.full(N * depth, len(order), np.int64)  # [token, place] -> row of ys (last: zeros)
+    back[tok * depth + place] = np.arange(len(order))
+    wts = xp.asarray(np.asarray(w, np.float32).reshape(-1)[order][:, None])
+    xs = xp.take(x, xp.asarray(tok), axis=0)  # [P, hidden], grouped by expert
+    ys = xp.empty((len(order) + 1, x.shape[1]), x.dtype)  # weighted outputs, then a zero row
+    ys[-1] = 0
+    a = 0
+    for e, pick in groups:
+        b = a + len(pick)
+        xp.multiply(mlp(e, xs[a:b]), wts[a:b], out=ys[a:b])
+        a = b
+    z = xp.take(ys, xp.asarray(back), axis=0).reshape(N, depth, -1)
+    for j in range(depth):
+        out += z[:, j]
     return out
 
 
