@@ -22,7 +22,12 @@ not bit for bit (tests/gpu/test_cuda_model.py states it).
 Kernel launches: gate and up projections are one GEMM ([2I, H] stacked at load), routed
 experts are one GEMM set per used expert (picks grouped on the host), and a token's routed
 outputs are summed in ascending expert order, as workers.moe.expert_sum adds them (both in
-workers.moe.grouped_expert_sum, written once for numpy and CuPy).
+workers.moe.grouped_expert_sum, shared with the numpy shards of expert parallelism).
+
+Expert parallel (`set_experts`, a `cuda` workers.ep_worker.ShardedWorker): the routed
+experts the worker owns stay on the GPU, handed over to its device ExpertShard
+(`take_experts`, no copy; the host keeps none), and each MoE layer gives that provider its
+device activations (workers/expert_shard.py: only the rows sent to peers go to the host).
 
 CuPy is imported lazily: this module imports on machines without it (`use_cuda` says why a
 `cuda` worker runs the numpy model instead). `load_cuda(...)` is the worker's factory.
@@ -133,16 +138,20 @@ class CudaLayer:
         self.w_uk = cp.asarray(np.ascontiguousarray(kv_b[:, :dn]))  # [H, Dn, Dl]
         self.w_uv_t = cp.asarray(np.ascontiguousarray(kv_b[:, dn:].transpose(0, 2, 1)))  # [H, Dl, Dv]
         self.router_bias = p.get("router_bias")  # host: workers.moe.route
-        # Host copies of the routed expert stacks only, for an expert-parallel worker to move
-        # into its shard (workers.expert_shard.take_shard pops them from `p`).
-        self.p = {k: v for k, v in p.items() if k.startswith("experts.")}
         self.experts = None  # routed-expert provider (workers.moe.MoE); None = all on device
 
+    def take_experts(self):
+        """(gate_up [n, 2I, H], down [n, H, I]) device stacks of the routed experts loaded,
+        removed from this layer (an expert-parallel worker's shard takes them over), or None
+        where none were loaded."""
+        gate_up, down = self.d.pop("experts.gate_up", None), self.d.pop("experts.down", None)
+        return None if gate_up is None else (gate_up, down)
+
     def set_experts(self, experts) -> None:
-        """Routed experts come from `experts` (host numpy): drop their device copies."""
+        """Routed experts come from `experts` (device arrays in and out): drop any device
+        copies left."""
         self.experts = experts
-        for name in ("experts.gate_up", "experts.down"):
-            self.d.pop(name, None)
+        self.take_experts()
 
     def attention(self, x, slots, positions, pool, cos, sin):
         import cupy as cp
@@ -163,11 +172,10 @@ class CudaLayer:
         return out
 
     def moe(self, y):
-        import cupy as cp
         d = self.d
         idx, w = route(self.cfg, (y @ d["router"].T).get(), self.router_bias)  # host [N, k]
-        if self.experts is not None:  # expert parallel: the provider works on host arrays
-            out = cp.asarray(self.experts.apply(self.i, y.get(), idx, w))
+        if self.experts is not None:  # expert parallel: device rows in and out
+            out = self.experts.apply(self.i, y, idx, w)
         else:
             out = self._routed(y, idx, w)
         if "shared.gate_up" in d:
@@ -176,7 +184,7 @@ class CudaLayer:
 
     def _routed(self, y, idx: np.ndarray, w: np.ndarray):
         """sum_k w[n, k] * expert_{idx[n, k]}(y[n]) (idx, w: host [N, k]) through
-        workers.moe.grouped_expert_sum."""
+        workers.moe.grouped_expert_sum, the code of an expert-parallel worker's device shard."""
         import cupy as cp
         gu, down = self.d["experts.gate_up"], self.d["experts.down"]
         return grouped_expert_sum(y, idx, w, lambda e, r: gated_mlp(r, gu[e], down[e]), cp)
@@ -219,10 +227,19 @@ class CudaModel:
         return model
 
     def set_experts(self, experts) -> None:
-        """Route every MoE layer's experts through `experts` (see workers.moe.MoE)."""
+        """Route every MoE layer's experts through `experts` (see workers.moe.MoE), which
+        must take and return device arrays: workers.expert_shard.ShardedExperts over a
+        cupy ExpertShard (device "cuda")."""
+        if getattr(experts, "device", None) != "cuda":
+            raise TypeError(f"a CudaModel's expert provider must work on device arrays "
+                            f"(device 'cuda'), got {experts!r} on {getattr(experts, 'device', None)!r}")
         for layer in self.layers:
             if self.config.is_moe_layer(layer.i):
                 layer.set_experts(experts)
+
+    def take_experts(self, i: int):
+        """Layer i's routed expert device stacks, handed over (CudaLayer.take_experts)."""
+        return self.layers[i].take_experts()
 
     def forward(self, tokens, slots, positions, pool, logits_at=None) -> np.ndarray:
         """Logits [N, vocab] (or [len(logits_at), vocab]) float32 on the host."""

@@ -9,9 +9,12 @@ whatever the two are doing), and a worker with no sequences in a step still serv
 
 Kinds: `metal` runs the MLX model (workers.mlx_model.load_metal; the MLX CPU backend off
 Apple silicon), `cuda` the CuPy model (workers.cuda_model.load_cuda; the numpy model, with
-a warning, where CuPy sees no GPU), `cpu` the numpy model. Routed experts are
-always computed on the host with numpy, on every kind, so peer calls never touch the MLX
-stream of the step thread.
+a warning, where CuPy sees no GPU), `cpu` the numpy model. Where its routed experts live
+(workers/expert_shard.py): a cuda worker running the CuPy model keeps them on its GPU and
+computes them there, its own picks and its peers' (a peer's call uploads its rows, computes
+on the worker's device from an experts-group thread, downloads the answer); every other
+worker keeps them in host memory and computes them with numpy, so on metal peer calls never
+touch the MLX stream of the step thread.
 """
 from __future__ import annotations
 
@@ -62,8 +65,9 @@ class ShardedWorker(Worker):
         self.experts = ShardedExperts(rank, owners, take_shard(model, self.cfg, mine))
         model.set_experts(self.experts)
         super().__init__(spec, model=model, pool=pool)
-        log.info("%s (%s, rank %d): %d routed experts of %d loaded", spec.name, kind, rank,
-                 self.experts.shard.count(), sum(len(o) for o in owners.values()))
+        log.info("%s (%s, rank %d): %d routed experts of %d loaded, on the %s", spec.name, kind,
+                 rank, self.experts.shard.count(), sum(len(o) for o in owners.values()),
+                 "GPU" if self.experts.device == "cuda" else "host")
 
     def info(self) -> dict:
         import ray
@@ -71,7 +75,8 @@ class ShardedWorker(Worker):
         # model: the class that runs (CudaModel, MLXModel, or Model where a cuda worker fell
         # back to numpy), so a fallback shows in the group's info, not only in a log line
         return dict(super().info(), device=self.kind, rank=self.rank, node_id=node,
-                    experts=self.experts.shard.count(), model=type(self.model).__name__)
+                    experts=self.experts.shard.count(), expert_device=self.experts.device,
+                    model=type(self.model).__name__)
 
     def _drain_fallbacks(self) -> dict[str, int]:
         out = super()._drain_fallbacks()

@@ -7,7 +7,15 @@ holds only its own experts: the loader reads just those tensors (workers.weights
 with `experts=`), so the others never enter its memory; experts gained after a peer's death
 are read from the checkpoint by name (`read_experts`).
 
+Where the shard lives: a cuda worker running the CuPy model keeps its stacks on its GPU and
+computes them there, on the model's device activations (only the rows of picks that go to
+peers are downloaded); metal and cpu workers, and a cuda worker that fell back to the numpy
+model, keep them in host memory and compute them with numpy. The two run the same code
+(workers.moe.grouped_expert_sum, with the module and the expert MLP of the shard's kind).
+
 Counters (per worker, since start), for the soak and the dashboards:
+  expert_pins   routed experts held; expert_bytes their stacks' bytes (float32)
+  expert_device where the stacks live: "cuda" (the worker's GPU) or "host"
   local_picks   routed (token, expert) picks of this worker's own tokens served by its shard
   remote_picks  picks of its own tokens sent to a peer
   served_picks  picks of peers' tokens this worker computed for them
@@ -16,13 +24,14 @@ Counters (per worker, since start), for the soak and the dashboards:
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
 import numpy as np
 
 from workers.config import ModelConfig
-from workers.moe import expert_sum
+from workers.moe import gated_mlp, grouped_expert_sum
 from workers.transport import ExpertTransport
 from workers.weights import name_table, open_checkpoint
 
@@ -30,28 +39,61 @@ PARTS = ("gate", "up", "down")
 
 
 class ExpertShard:
-    """Stacked weights of the routed experts one worker holds, per MoE layer. A layer's
-    entry is replaced whole (one tuple), so a peer's call running in another thread always
-    sees a consistent (row map, weights) pair."""
+    """Stacked weights of the routed experts one worker holds, per MoE layer, as float32
+    arrays of module `xp`: numpy (host memory; gate [n, I, H], up [n, I, H], down [n, H, I])
+    or cupy (the GPU that is current when the shard is made: a cuda worker running
+    workers.cuda_model.CudaModel; gate and up stacked as gate_up [n, 2I, H], CudaModel's
+    layout, so an expert's two projections are one GEMM). Host arrays given to put / add are
+    uploaded there, once. A layer's entry is replaced whole (one tuple), so a peer's call
+    running in another thread always sees a consistent (row map, weights) pair."""
 
-    def __init__(self, n_experts: int):
-        self.n_experts = n_experts
-        self._layers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    def __init__(self, n_experts: int, xp: Any = np):
+        self.n_experts, self.xp = n_experts, xp
+        self.on_gpu = xp is not np
+        self.device = "cuda" if self.on_gpu else "host"  # where the stacks live (counters)
+        self._gpu = xp.cuda.Device().id if self.on_gpu else None
+        self._layers: dict[int, tuple] = {}  # layer -> (ids, row_of, stacks)
 
-    def put(self, layer: int, ids: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+    def on_device(self):
+        """Context for work on the shard's arrays from any thread: its GPU made current
+        (a thread's current device is its own), nothing on the host."""
+        return self.xp.cuda.Device(self._gpu) if self.on_gpu else contextlib.nullcontext()
+
+    def to_host(self, a):
+        return a.get() if self.on_gpu else a
+
+    def _stacks(self, gate, up, down) -> tuple:
+        """Host or device gate/up/down of n experts -> this shard's stacks (see the class)."""
+        if not self.on_gpu:
+            return gate, up, down
+        xp, f32 = self.xp, np.float32
+        return (xp.concatenate([xp.asarray(gate, f32), xp.asarray(up, f32)], axis=1),
+                xp.asarray(down, f32))
+
+    def put(self, layer: int, ids: np.ndarray, gate, up, down) -> None:
         """Hold exactly experts `ids` of `layer` (rows of gate/up/down in that order)."""
+        with self.on_device():
+            self.put_stacks(layer, ids, self._stacks(gate, up, down))
+
+    def put_stacks(self, layer: int, ids: np.ndarray, stacks: tuple) -> None:
+        """put, with the stacks already in this shard's layout and module (e.g. CudaModel's
+        device gate_up / down, taken over as they are)."""
         ids = np.asarray(ids, np.int64)
         row_of = np.full(self.n_experts, -1, np.int64)
         row_of[ids] = np.arange(len(ids))
-        self._layers[layer] = (ids, row_of, gate, up, down)
+        if self.on_gpu:  # complete before a peer's call on another thread (stream) reads them
+            self.xp.cuda.Device(self._gpu).synchronize()
+        self._layers[layer] = (ids, row_of, tuple(stacks))
 
     def add(self, layer: int, ids: np.ndarray, gate, up, down) -> None:
         old = self._layers.get(layer)
         if old is None:
             self.put(layer, ids, gate, up, down)
             return
-        self.put(layer, np.concatenate([old[0], ids]), *(np.concatenate([a, b]) for a, b in
-                                                           zip(old[2:], (gate, up, down))))
+        with self.on_device():
+            self.put_stacks(layer, np.concatenate([old[0], ids]),
+                            [self.xp.concatenate([a, b]) for a, b in
+                             zip(old[2], self._stacks(gate, up, down))])
 
     def ids(self, layer: int) -> np.ndarray:
         entry = self._layers.get(layer)
@@ -61,28 +103,49 @@ class ExpertShard:
         return int(sum(len(e[0]) for e in self._layers.values()))
 
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for e in self._layers.values() for a in e[2:]))
+        return int(sum(a.nbytes for e in self._layers.values() for a in e[2]))
 
-    def compute(self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """sum over the picks idx >= 0 of w * expert(x); every such expert must be held here."""
+    def compute(self, layer: int, x, idx: np.ndarray, w: np.ndarray):
+        """sum over the picks idx >= 0 of w * expert(x); every such expert must be held here.
+        x [N, hidden] and the result are arrays of the shard's module, idx / w host [N, k]."""
         entry = self._layers.get(layer)
         picked = idx >= 0
         if entry is None:
             if picked.any():
                 raise KeyError(f"layer {layer}: experts {np.unique(idx[picked]).tolist()} are not held here")
-            return np.zeros_like(x)
-        ids, row_of, gate, up, down = entry
+            with self.on_device():
+                return self.xp.zeros_like(x)
+        ids, row_of, stacks = entry
         rows = np.where(picked, row_of[np.where(picked, idx, 0)], -1)
         missing = picked & (rows < 0)
         if missing.any():
             raise KeyError(f"layer {layer}: experts {np.unique(idx[missing]).tolist()} are not "
                            f"held here (held: {ids.tolist()})")
-        return expert_sum(x, rows, w, gate, up, down)
+        if self.on_gpu:
+            from workers.cuda_model import gated_mlp as device_mlp
+            gate_up, down = stacks
+            mlp = lambda e, r: device_mlp(r, gate_up[e], down[e])  # noqa: E731
+        else:
+            gate, up, down = stacks
+            mlp = lambda e, r: gated_mlp(r, gate[e], up[e], down[e])  # noqa: E731
+        with self.on_device():
+            return grouped_expert_sum(x, rows, w, mlp, self.xp)
 
 
 def take_shard(model: Any, cfg: ModelConfig, owned: dict[int, np.ndarray]) -> ExpertShard:
-    """Move the routed expert stacks out of a model loaded with `experts=owned` (numpy Model
-    or MLXModel: both keep per-layer dicts `model.layers[i].p`) into a numpy ExpertShard."""
+    """Move the routed expert stacks out of a model loaded with `experts=owned` into the
+    worker's shard: a CudaModel's device stacks (CudaModel.take_experts) into a cupy shard
+    on its GPU, as they are (no copy, none left on the host); a numpy Model's or MLXModel's
+    (per-layer host dicts `model.layers[i].p`) into a numpy one."""
+    from workers.cuda_model import CudaModel
+    if isinstance(model, CudaModel):
+        import cupy as cp
+        shard = ExpertShard(cfg.n_routed_experts, cp)
+        for layer, ids in owned.items():
+            stacks = model.take_experts(layer)
+            if len(ids):
+                shard.put_stacks(layer, ids, stacks)
+        return shard
     shard = ExpertShard(cfg.n_routed_experts)
     for layer, ids in owned.items():
         p = model.layers[layer].p
@@ -127,22 +190,28 @@ class ShardedExperts:
         self._lock = threading.Lock()  # counters: the step thread and peer-call threads
         self.local_picks = self.remote_picks = self.served_picks = 0
 
-    def apply(self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def apply(self, layer: int, x, idx: np.ndarray, w: np.ndarray):
+        """x [N, hidden] and the result are arrays of the shard's module (a cuda worker's
+        device activations stay there: only the rows sent to peers are downloaded, and their
+        answers uploaded); idx, w host [N, k]."""
+        sh = self.shard
         own = self.owners[layer][idx]  # [N, k] owner rank of each pick
-        sent = {}
-        for peer in np.unique(own).tolist():
-            if peer == self.rank:
-                continue
-            mask = own == peer
-            rows = np.flatnonzero(mask.any(axis=1))
-            sub = np.where(mask[rows], idx[rows], -1)
-            sent[peer] = (rows, self.transport.submit(peer, layer, x[rows], sub, w[rows]))
-        mine = own == self.rank
-        out = self.shard.compute(layer, x, np.where(mine, idx, -1), w)  # overlaps the peers
-        if sent:
-            answers = self.transport.gather({p: h for p, (_, h) in sent.items()})
-            for peer, (rows, _) in sent.items():
-                out[rows] += answers[peer]
+        with sh.on_device():
+            sent = {}
+            for peer in np.unique(own).tolist():
+                if peer == self.rank:
+                    continue
+                mask = own == peer
+                rows = np.flatnonzero(mask.any(axis=1))
+                sub = np.where(mask[rows], idx[rows], -1)
+                xs = sh.to_host(x[sh.xp.asarray(rows)])
+                sent[peer] = (rows, self.transport.submit(peer, layer, xs, sub, w[rows]))
+            mine = own == self.rank
+            out = sh.compute(layer, x, np.where(mine, idx, -1), w)  # overlaps the peers
+            if sent:
+                answers = self.transport.gather({p: h for p, (_, h) in sent.items()})
+                for peer, (rows, _) in sent.items():
+                    out[sh.xp.asarray(rows)] += sh.xp.asarray(answers[peer])
         n_local = int(mine.sum())
         with self._lock:
             self.local_picks += n_local
@@ -150,11 +219,20 @@ class ShardedExperts:
         return out
 
     def serve(self, layer: int, x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """A peer's call: its rows, with -1 for picks that are not ours."""
-        y = self.shard.compute(layer, np.asarray(x, np.float32), np.asarray(idx), np.asarray(w, np.float32))
+        """A peer's call (host arrays in and out, on a thread of the experts concurrency
+        group): its rows, with -1 for picks that are not ours."""
+        sh = self.shard
+        with sh.on_device():
+            y = sh.to_host(sh.compute(layer, sh.xp.asarray(x, np.float32), np.asarray(idx),
+                                      np.asarray(w, np.float32)))
         with self._lock:
             self.served_picks += int((np.asarray(idx) >= 0).sum())
         return y
+
+    @property
+    def device(self) -> str:
+        """Where the shard computes: "cuda" (device arrays in and out of apply) or "host"."""
+        return self.shard.device
 
     def set_owners(self, owners: dict[int, np.ndarray]) -> None:
         self.owners = {int(l): np.asarray(o, np.int32) for l, o in owners.items()}
@@ -163,6 +241,7 @@ class ShardedExperts:
         with self._lock:
             total = self.local_picks + self.remote_picks
             return {"expert_pins": self.shard.count(), "expert_bytes": self.shard.nbytes(),
+                    "expert_device": self.shard.device,
                     "local_picks": self.local_picks, "remote_picks": self.remote_picks,
                     "served_picks": self.served_picks,
                     "expert_hit_rate": self.local_picks / total if total else None}

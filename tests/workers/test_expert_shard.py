@@ -1,43 +1,18 @@
-"""The routed-expert sum written once for numpy and CuPy (workers.moe.grouped_expert_sum:
-numpy here, CuPy in workers/cuda_model.py) against the reference workers.moe.expert_sum bit
-for bit on hostile routing."""
+"""The routed-expert sum that every shard runs (workers.moe.grouped_expert_sum: numpy here,
+CuPy on a cuda worker's GPU, tests/gpu/test_expert_shard_gpu.py) against the reference
+workers.moe.expert_sum bit for bit on hostile routing, and the host ExpertShard /
+ShardedExperts around it (data: tests/workers/expert_data.py)."""
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import pytest
 
+from workers.expert_shard import ExpertShard, ShardedExperts
+from expert_data import activations, bits, hostile_routing, stacks
 from workers.moe import expert_sum, gated_mlp, grouped_expert_sum
-
-
-def stacks(rng, E, H, I):
-    """gate, up, down of E experts whose scales differ by orders of magnitude."""
-    scale = rng.choice([1e-3, 1.0, 30.0], (E, 1, 1)).astype(np.float32)
-    return ((rng.standard_normal((E, I, H)) * scale).astype(np.float32),
-            rng.standard_normal((E, I, H)).astype(np.float32),
-            rng.standard_normal((E, H, I)).astype(np.float32))
-
-
-def hostile_routing(rng, N, E, k):
-    """idx [N, k] with distinct ids per token in shuffled column order, ragged (-1 picks
-    anywhere in a row), token 1 with every pick -1, expert E-1 picked by exactly one token;
-    w [N, k] float32 of mixed signs and sizes."""
-    idx = np.stack([rng.permutation(E - 1)[:k] for _ in range(N)])
-    idx[rng.random((N, k)) < 0.3] = -1
-    idx[1] = -1
-    idx[N - 1, rng.integers(k)] = E - 1  # (E-1 is in no other row)
-    w = (rng.standard_normal((N, k)) * rng.choice([1e-2, 1.0, 50.0], (N, k))).astype(np.float32)
-    return idx, w
-
-
-def activations(rng, N, H):
-    """x [N, hidden]: rows of very different sizes and one NaN row (token 2)."""
-    x = (rng.standard_normal((N, H)) * rng.choice([1e-4, 1.0, 1e3], (N, 1))).astype(np.float32)
-    x[2, 5] = np.nan
-    return x
-
-
-def bits(a):
-    return np.ascontiguousarray(a).view(np.uint32)
+from workers.transport import LocalTransport
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -71,3 +46,77 @@ def test_grouped_sum_edge_batches():
         w = rng.standard_normal(idx.shape).astype(np.float32)
         np.testing.assert_array_equal(bits(grouped_expert_sum(x[:n], idx, w, mlp)),
                                       bits(expert_sum(x[:n], idx, w, gate, up, down)))
+
+
+def test_host_shard_computes_its_rows_with_shuffled_ids_and_gained_experts():
+    """A shard holding experts in a shuffled order (and more added later, as reassign does)
+    gives expert_sum over its own rows bit for bit, and expert_sum over the full stacks
+    within float32 rounding; experts it does not hold are named."""
+    rng = np.random.default_rng(3)
+    E, H, I, N, k = 12, 32, 16, 19, 3
+    gate, up, down = stacks(rng, E, H, I)
+    held = rng.permutation(E)[:7]
+    gained = np.setdiff1d(np.arange(E), held)[::-1][:3]
+    shard = ExpertShard(E)
+    shard.put(4, held, gate[held], up[held], down[held])
+    shard.add(4, gained, gate[gained], up[gained], down[gained])
+    ids = np.concatenate([held, gained])
+    assert shard.ids(4).tolist() == ids.tolist() and shard.count() == 10
+    assert shard.nbytes() == 10 * 4 * (3 * H * I) and shard.device == "host"
+    x = activations(rng, N, H)
+    idx, w = hostile_routing(rng, N, E, k)
+    idx = np.where(np.isin(idx, ids), idx, -1)
+    idx[0, 0] = gained[0]
+    got = shard.compute(4, x, idx, w)
+    rows = np.where(idx >= 0, np.argsort(ids)[np.searchsorted(ids[np.argsort(ids)], idx)], -1)
+    np.testing.assert_array_equal(bits(got), bits(expert_sum(x, rows, w, gate[ids], up[ids], down[ids])))
+    full = expert_sum(x, idx, w, gate, up, down)  # other addition order: rounding only
+    np.testing.assert_allclose(np.delete(got, 2, 0), np.delete(full, 2, 0), rtol=1e-5,
+                               atol=1e-5 * np.abs(full[np.isfinite(full)]).max())
+    lost = int(np.setdiff1d(np.arange(E), ids)[0])
+    with pytest.raises(KeyError, match=rf"experts \[{lost}\] are not held"):
+        shard.compute(4, x, np.where(np.arange(k) == 0, lost, idx), w)
+    with pytest.raises(KeyError, match=r"layer 5"):
+        shard.compute(5, x, idx, w)
+    assert not shard.compute(5, x, np.full_like(idx, -1), w).any()
+
+
+def test_sharded_experts_split_over_peers_on_the_host():
+    """Two host workers, each holding half the experts: apply on either gives the full
+    sum (each pick counted once, where it was made or served), counters say "host"."""
+    rng = np.random.default_rng(8)
+    E, H, I, N, k = 10, 24, 12, 17, 4
+    gate, up, down = stacks(rng, E, H, I)
+    owner = rng.permutation(np.arange(E) % 2).astype(np.int32)
+    ranks = []
+    for r in range(2):
+        mine = np.flatnonzero(owner == r)[::-1]  # (rows not in id order)
+        shard = ExpertShard(E)
+        shard.put(1, mine, gate[mine], up[mine], down[mine])
+        ranks.append(ShardedExperts(r, {1: owner}, shard))
+    for r, ex in enumerate(ranks):
+        peer = ranks[1 - r]
+        ex.transport = LocalTransport({1 - r: types.SimpleNamespace(run_experts=peer.serve)})
+    x = activations(rng, N, H)
+    x[2] = 1.0  # (finite here: a NaN row would not compare)
+    _, w = hostile_routing(rng, N, E, k)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])  # a router's: k picks each
+    idx[0] = np.flatnonzero(owner == 1)[:k]  # one token all remote for rank 0, all local for 1
+    full = expert_sum(x, idx, w, gate, up, down)
+    for ex in ranks:
+        got = ex.apply(1, x, idx, w)
+        np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
+    c = [ex.counters() for ex in ranks]
+    assert all(s["expert_device"] == "host" and ex.device == "host" for s, ex in zip(c, ranks))
+    assert sum(s["served_picks"] for s in c) == sum(s["remote_picks"] for s in c) > 0
+    assert all(s["local_picks"] + s["remote_picks"] == N * k for s in c)
+    assert [s["expert_pins"] for s in c] == [int((owner == r).sum()) for r in range(2)]
+
+
+def test_cuda_model_refuses_a_host_expert_provider():
+    """A CudaModel hands its provider device activations: a host shard's is refused at
+    set_experts, not met later as a CuPy conversion error inside a step."""
+    from workers.cuda_model import CudaModel
+    host = ShardedExperts(0, {}, ExpertShard(4))
+    with pytest.raises(TypeError, match="device 'cuda'.*'host'"):
+        CudaModel.set_experts(types.SimpleNamespace(layers=[]), host)
