@@ -2,7 +2,9 @@
 GPU (kvfleet_cuda) and a host device (kvfleet_cpu), experts sharded between the CuPy worker
 and a numpy worker, the scheduler's greedy completions equal to a single in-process numpy
 worker's. The cuda actor must have run the CuPy model (the group's info names the model
-class), not the numpy fallback."""
+class), not the numpy fallback, with its routed experts on the GPU (its stats say
+expert_device "cuda", with the float32 bytes of the experts it holds; the cpu worker's
+"host")."""
 from __future__ import annotations
 
 import os
@@ -51,8 +53,8 @@ def test_sharded_job_with_a_cuda_actor_matches_the_numpy_worker(tmp_path, kv):
     try:
         group, close = start_group(cfg)
         try:
-            assert [(i["device"], i["model"]) for i in group.info] == [("cuda", "CudaModel"),
-                                                                       ("cpu", "Model")]
+            assert [(i["device"], i["model"], i["expert_device"]) for i in group.info] == \
+                [("cuda", "CudaModel", "cuda"), ("cpu", "Model", "host")]
             before = group.worker_stats()
             tok = Tokenizer.from_dir(tiny)
             mcfg = ModelConfig.from_file(tiny / "config.json")
@@ -71,6 +73,9 @@ def test_sharded_job_with_a_cuda_actor_matches_the_numpy_worker(tmp_path, kv):
             assert gpu["name"].startswith("gpu/"), gpu
             assert gpu["device_mem_bytes"] is not None and gpu["device_mem_bytes"] > 2**20, gpu
             assert gpu["served_picks"] > before[0]["served_picks"]
+            assert [s["expert_device"] for s in stats] == ["cuda", "host"]
+            per = 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 4  # float32 gate, up, down
+            assert all(s["expert_bytes"] == s["expert_pins"] * per > 0 for s in stats), stats
             assert sum(s["served_picks"] for s in stats) == sum(s["remote_picks"] for s in stats)
         finally:
             close()
