@@ -13,12 +13,14 @@ shadow projection is what the dense weights, the pool and the pinned experts may
 `host_experts` of a device counts the experts no device of the fleet pins.
 
 Host memory of the kvfleet job (`host_bytes`, reported, never planned against): its workers
-hold what workers/weights.py loads, float32 (twice a bf16 checkpoint), in numpy: every
-routed expert a worker owns in the split below (pinned or not: workers/ep_worker.py computes
-routed experts on the host on every kind), and on a cpu device the dense weights too (a
-cuda or metal worker keeps those in its own device copy, counted in its budget). The
-budget above counts weights in the checkpoint's format, as the C engine stores them, so a
-cpu device whose float32 host figure and KV exceed its budget gets a warning.
+hold what workers/weights.py loads, float32 (twice a bf16 checkpoint), in numpy: on a cpu
+or metal device every routed expert its worker owns in the split below (pinned or not:
+workers/expert_shard.py computes those on the host), and on a cpu device the dense weights
+too. A cuda worker keeps both in its GPU copy (its routed-expert shard, pinned or not, lives
+and runs on the device; the host keeps none once loaded), and a metal worker its dense
+weights in MLX's. The budget above counts weights in the checkpoint's format, as the C
+engine stores them, so a cpu device whose float32 host figure and KV exceed its budget gets
+a warning.
 
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
@@ -308,7 +310,8 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
                    int((a.pinned & (a.owner == w)).sum()) * eb, len(host),
                    {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers},
-                   int((loaded & (a.owner == w)).sum()) * expert_f32 + (dense_f32 if dev.kind == "cpu" else 0))
+                   (0 if dev.kind == "cuda" else int((loaded & (a.owner == w)).sum()) * expert_f32)
+                   + (dense_f32 if dev.kind == "cpu" else 0))
         for w, (dev, (kv, idx, sh)) in enumerate(zip(devices, fixed)))
     return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even)
 

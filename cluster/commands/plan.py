@@ -235,8 +235,8 @@ def _table(d: dict) -> str:
                  f"{d['host_experts']} served from host memory{how}")
     per = ", ".join(f"{v['name']} {size(v['host_bytes'])}" for v in d["devices"])
     lines.append(f"host memory of a kvfleet job: {size(d['host_bytes'])} of {d['host_dtype']} weights "
-                 f"(its loader's dtype; routed experts on every device, dense weights on cpu "
-                 f"devices): {per}")
+                 f"(its loader's dtype; routed experts on cpu and metal devices, dense weights "
+                 f"on cpu devices): {per}")
     if d["measured_here"]:
         lines.append(f"free memory of 'auto' devices measured on this machine: {', '.join(d['measured_here'])}")
     lines += [f"warning: {w}" for w in d["warnings"]]

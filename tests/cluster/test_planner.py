@@ -354,8 +354,9 @@ def test_even_share_with_a_remainder_goes_to_the_roomiest_workers():
 def test_host_bytes_equal_the_loaded_arrays_of_each_worker():
     """The plan's host figure is what a kvfleet job's workers really hold: the float32 arrays
     of workers/weights.py (twice the bf16 checkpoint the budget counts), every routed expert a
-    worker owns, and on a cpu device the dense weights. Measured by loading each worker's
-    shard of kvfleet-mini exactly as workers/ep_worker.py does."""
+    cpu or metal worker owns, and on a cpu device the dense weights; a cuda worker keeps its
+    experts on the GPU (workers/expert_shard.py), none on the host. Measured by loading each
+    worker's shard of kvfleet-mini exactly as workers/ep_worker.py does."""
     from workers.weights import load_params
     mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini"
     fp = Footprint.from_file(mini)
@@ -374,9 +375,12 @@ def test_host_bytes_equal_the_loaded_arrays_of_each_worker():
         mine = {l: a.experts[(a.owner == w) & (a.experts[:, 0] == l), 1] for l in fp.moe_layers
                 if l < fp.config.num_hidden_layers}
         params = load_params(mini, fp.config, experts=mine)
+        kind = dp.device.kind
+        assert sum(len(v) for v in mine.values()) > 0  # (so a cuda device's 0 says something)
         held = sum(v.nbytes for k, v in params.items()
-                   if ".experts." in k or dp.device.kind == "cpu")
-        assert dp.host_bytes == row["host_bytes"] == held > 0, dp.device.name
+                   if (".experts." in k and kind != "cuda") or kind == "cpu")
+        assert dp.host_bytes == row["host_bytes"] == held, dp.device.name
+        assert (held > 0) == (kind != "cuda"), dp.device.name
         total += held
     assert d["host_bytes"] == total
     # against the bf16 the budget counts: a cpu device holds twice its dense weights, less
