@@ -232,8 +232,9 @@ class ShardedGroup:
         try:
             self.final_stats = self.worker_stats()
             for s in self.final_stats:
-                log.info("worker %s (%s): %d experts held, hit rate %s, %d picks served for "
-                         "peers, rss %.0f MB", s["name"], s["device"], s["expert_pins"],
+                log.info("worker %s (%s): %d experts held on the %s, hit rate %s, %d picks "
+                         "served for peers, rss %.0f MB", s["name"], s["device"], s["expert_pins"],
+                         "GPU" if s["expert_device"] == "cuda" else "host",
                          "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
                          s["served_picks"], s["rss_bytes"] / 1e6)
                 self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"])
