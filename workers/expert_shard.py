@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from workers import cuda_model
 from workers.config import ModelConfig
 from workers.moe import gated_mlp, grouped_expert_sum
 from workers.transport import ExpertTransport
@@ -122,9 +123,8 @@ class ExpertShard:
             raise KeyError(f"layer {layer}: experts {np.unique(idx[missing]).tolist()} are not "
                            f"held here (held: {ids.tolist()})")
         if self.on_gpu:
-            from workers.cuda_model import gated_mlp as device_mlp
             gate_up, down = stacks
-            mlp = lambda e, r: device_mlp(r, gate_up[e], down[e])  # noqa: E731
+            mlp = lambda e, r: cuda_model.gated_mlp(r, gate_up[e], down[e])  # noqa: E731
         else:
             gate, up, down = stacks
             mlp = lambda e, r: gated_mlp(r, gate[e], up[e], down[e])  # noqa: E731
@@ -137,8 +137,7 @@ def take_shard(model: Any, cfg: ModelConfig, owned: dict[int, np.ndarray]) -> Ex
     worker's shard: a CudaModel's device stacks (CudaModel.take_experts) into a cupy shard
     on its GPU, as they are (no copy, none left on the host); a numpy Model's or MLXModel's
     (per-layer host dicts `model.layers[i].p`) into a numpy one."""
-    from workers.cuda_model import CudaModel
-    if isinstance(model, CudaModel):
+    if isinstance(model, cuda_model.CudaModel):
         import cupy as cp
         shard = ExpertShard(cfg.n_routed_experts, cp)
         for layer, ids in owned.items():
