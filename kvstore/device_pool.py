@@ -25,10 +25,10 @@ import cupy as cp
 import numpy as np
 
 from kernels.cpu import codecs as cpu_codecs
-from kernels.cpu.attention import LayerPlanes, paged_mla_attention, used_blocks
+from kernels.cpu.attention import LayerPlanes, used_blocks
 from kernels.cuda import attention as cuda_attention
 from kernels.cuda import codecs as cuda_codecs
-from kvstore.pool import KVPool
+from kvstore.pool import KVPool, attend_by_slot
 
 log = logging.getLogger(__name__)
 
@@ -188,16 +188,16 @@ class DevicePool(KVPool):
         return ctx.get() if on_host else ctx
 
     def _cpu_attend(self, layer, slots, positions, q_lat, q_rope, scale) -> np.ndarray:
-        """The numpy attention over a host copy of the blocks these slots use."""
-        blocks, host_tables = used_blocks(self.block_tables[slots], self.n_blocks)  # [N, nb]
-        p, b = self.planes[layer], cp.asarray(blocks)
-        host = LayerPlanes(p.l_codes[b].get(), p.l_scale[b].get(), p.r_codes[b].get(),
-                           p.r_scale[b].get())
+        """The numpy attention over a host copy of the blocks these slots use, grouped per
+        slot as KVPool.attend groups them (kvstore.pool.attend_by_slot)."""
+        def rows_of(uniq):
+            blocks, host_tables = used_blocks(self.block_tables[uniq], self.n_blocks)  # [B, nb]
+            p, b = self.planes[layer], cp.asarray(blocks)
+            return LayerPlanes(p.l_codes[b].get(), p.l_scale[b].get(), p.r_codes[b].get(),
+                               p.r_scale[b].get()), host_tables
         ql = q_lat.get() if isinstance(q_lat, cp.ndarray) else np.asarray(q_lat, np.float32)
         qr = q_rope.get() if isinstance(q_rope, cp.ndarray) else np.asarray(q_rope, np.float32)
-        ctx = paged_mla_attention(self.tier, host, host_tables, ql[:, None], qr[:, None],
-                                  positions[:, None], scale, counter=self.rebuilds)
-        return ctx[:, 0]
+        return attend_by_slot(self.tier, rows_of, slots, positions, ql, qr, scale, self.rebuilds)
 
     def metrics(self) -> dict:
         return {"bytes_in_use": self.bytes_in_use(), **self.counters.as_dict()}

@@ -38,6 +38,25 @@ def group_by_slot(slots: np.ndarray, positions: np.ndarray):
     return uniq, inv, rank, q_pos
 
 
+def attend_by_slot(tier: Tier, rows_of, slots: np.ndarray, positions: np.ndarray,
+                   q_lat: np.ndarray, q_rope: np.ndarray, scale: float,
+                   counter: WorkCounter | None = None) -> np.ndarray:
+    """The numpy attention of a flat token batch, one row per slot (group_by_slot):
+    `rows_of(unique slots)` gives (LayerPlanes, block tables [B, nb] into them). KVPool and
+    DevicePool's CPU fallback both attend through here, so the two give the same bits for
+    the same rows (the same shapes, hence the same float32 sums on any CPU)."""
+    uniq, inv, rank, qp = group_by_slot(slots, positions)
+    B, Q = qp.shape
+    N, H, Dl = q_lat.shape
+    ql = np.zeros((B, Q, H, Dl), np.float32)
+    qr = np.zeros((B, Q, H, q_rope.shape[-1]), np.float32)
+    ql[inv, rank] = q_lat
+    qr[inv, rank] = q_rope
+    planes, tables = rows_of(uniq)
+    ctx = paged_mla_attention(tier, planes, tables, ql, qr, qp, scale, counter=counter)
+    return ctx[inv, rank]
+
+
 class PoolFullError(RuntimeError):
     """No free slot, or no free block for a slot's next tokens."""
 
@@ -314,16 +333,8 @@ class KVPool:
         [N, H, kv_lora]. Tokens are grouped per slot so that one kernel call covers a ragged
         decode step (many slots, one token each) and a prefill chunk alike."""
         slots, positions = self._attend_args(layer, slots, positions, q_lat, q_rope)
-        uniq, inv, rank, qp = group_by_slot(slots, positions)
-        B, Q = qp.shape
-        N, H, Dl = q_lat.shape
-        ql = np.zeros((B, Q, H, Dl), np.float32)
-        qr = np.zeros((B, Q, H, q_rope.shape[-1]), np.float32)
-        ql[inv, rank] = q_lat
-        qr[inv, rank] = q_rope
-        ctx = paged_mla_attention(self.tier, self.planes[layer], self.block_tables[uniq],
-                                  ql, qr, qp, scale, counter=self.rebuilds)
-        return ctx[inv, rank]
+        return attend_by_slot(self.tier, lambda uniq: (self.planes[layer], self.block_tables[uniq]),
+                              slots, positions, q_lat, q_rope, scale, self.rebuilds)
 
     # -- accounting -------------------------------------------------------------------
     def bytes_per_token(self) -> int:
