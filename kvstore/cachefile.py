@@ -19,6 +19,19 @@ Subclasses implement the byte format: `_read` (header + the good record prefix),
 once the file has replaced the old one), `_append` (one durable append at the current end),
 `_cut` (drop records after n, at a commit boundary the subclass chooses).
 
+A file with other hard links (st_nlink > 1: a snapshot made with `cp -al`, a user's `ln`)
+shares its bytes with names that other locks guard (each name has its own sidecar lock,
+slots.py), so kvfleet never writes into it in place: before its first in-place write (an
+append, a cut, a self-heal) the writer copies it to a temp file beside it (beside a
+symlink's target), fsyncs, renames it over the path and fsyncs the directory (`_detach`),
+and writes into that copy; a whole-file rewrite replaces the path by a new file anyway.
+Either way the other names keep exactly the bytes they had, and from then on the names are
+separate files with separate locks. The writer logs it (once: the copy has one link) and
+sets `detached` (workers/persist.py counts it as the "detached" cache event). A detach that
+fails (disk full) removes its temp file and raises an OSError naming the file, with nothing
+written: the file and its other names are as they were. Reading through any name is as
+for any file.
+
 Writers write in place only into the file they loaded or wrote (`open_loaded`): if its path
 now names another file (one renamed over it without the slot lock), a write at the old
 offsets would land inside that file, so it is an OSError instead. So is a write into a file
@@ -102,6 +115,7 @@ class CacheFile:
         self._kept: KVRecords | None = None  # upgraded records awaiting their rewrite
         self._n = 0  # records on disk (append mode)
         self._heal_to: int | None = None
+        self.detached = False  # a write gave this path a file of its own (hard links, above)
 
     # ---- public ---------------------------------------------------------------------
     def load(self) -> KVRecords:
@@ -203,7 +217,7 @@ class CacheFile:
     def _heal(self) -> None:
         if self._heal_to is not None:
             log.warning("%s: self-heal: cutting torn tail at byte %d", self.path, self._heal_to)
-            fd = open_loaded(self.path, self._file_id, os.O_WRONLY, need=self._heal_to)
+            fd = self._open_in_place(os.O_WRONLY, need=self._heal_to)
             try:
                 os.ftruncate(fd, self._heal_to)
                 os.fsync(fd)
@@ -214,6 +228,7 @@ class CacheFile:
     def _replace(self, recs: KVRecords) -> None:
         target = rewrite_target(self.path)  # a symlinked slot file: its target, not the link
         tmp = f"{target}.tmp"  # one writer per file (slots.py), so a stale one is ours
+        links = _links(target)
         try:
             state = self._write_new(tmp, recs)
             os.replace(tmp, target)
@@ -223,7 +238,53 @@ class CacheFile:
         # the new file is in place: commit its state before anything else can fail
         self._mode, self._kept, self._n, self._heal_to = "append", None, len(recs), None
         self._adopt(state)
+        if links > 1:
+            self._detached(links, "replaced it by a file of its own")
         fsync_dir(target)
+
+    def _open_in_place(self, flags: int, need: int = 0) -> int:
+        """open_loaded(self.path, ...) for an in-place write, into a file of this path's own:
+        one with other hard links is detached first (see the module docstring)."""
+        fd = open_loaded(self.path, self._file_id, flags, need)
+        links = os.fstat(fd).st_nlink
+        if links > 1:
+            os.close(fd)
+            self._detach(links)
+            fd = open_loaded(self.path, self._file_id, flags, need)
+        return fd
+
+    def _detach(self, links: int) -> None:
+        """Replace the file, atomically, by a copy of its bytes (a new inode, one link), which
+        this writer then owns: its state (offsets, record count, heal) holds for the copy."""
+        target = rewrite_target(self.path)
+        tmp = f"{target}.tmp"
+        src = open_loaded(self.path, self._file_id, os.O_RDONLY)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, os.fstat(src).st_mode & 0o777)
+            try:
+                ident = file_id(os.fstat(fd))
+                copy_into(src, fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: has {links} hard links (other names share its "
+                                   f"bytes, e.g. a `cp -al` snapshot); copying it to a file of its "
+                                   f"own before writing failed ({e.strerror or e}); nothing "
+                                   f"written: it and its other names hold what they held") from e
+        finally:
+            os.close(src)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        self._file_id = ident
+        self._detached(links, "copied it to a file of its own before writing")
+        fsync_dir(target)
+
+    def _detached(self, links: int, how: str) -> None:
+        self.detached = True
+        log.warning("%s: had %d hard links (other names shared its bytes, e.g. a `cp -al` "
+                    "snapshot): %s, so the other names keep their bytes", self.path, links, how)
 
     # ---- format -----------------------------------------------------------------------
     def _read(self) -> FileContents:
@@ -260,6 +321,20 @@ def rewrite_target(path: str) -> str:
     if not os.path.exists(path):
         raise unresolved_link(path)
     return os.path.realpath(path)
+
+
+def _links(path: str) -> int:
+    """st_nlink of `path` (0 if it does not exist)."""
+    try:
+        return os.stat(path).st_nlink
+    except FileNotFoundError:
+        return 0
+
+
+def copy_into(src: int, dst: int) -> None:
+    """Copy fd `src` from its position to its end into fd `dst`."""
+    while chunk := os.read(src, 1 << 20):
+        write_all(dst, chunk)
 
 
 def fsync_dir(path: str) -> None:

@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from kvstore.cachefile import CacheFile, FileContents, file_id, open_loaded, write_all
+from kvstore.cachefile import CacheFile, FileContents, file_id, write_all
 from kernels.tiers import TierError, tier_from_tag
 from kvstore.fingerprint import Fingerprint, HeaderError
 from kvstore.records import KVRecords, RecordLayout
@@ -107,7 +107,7 @@ class ColiKVFile(CacheFile):
         fix = self._fix_nrec  # wrong nrec, with or without torn bytes after the last record
         rec = self.layout.record_bytes
         if fix is not None:
-            fd = open_loaded(self.path, self._file_id, os.O_RDWR, need=HEADER_BYTES + fix * rec)
+            fd = self._open_in_place(os.O_RDWR, need=HEADER_BYTES + fix * rec)
             try:
                 os.pwrite(fd, struct.pack("<i", fix), NREC_OFFSET)
                 os.fsync(fd)
@@ -133,7 +133,7 @@ class ColiKVFile(CacheFile):
 
     def _append(self, recs: KVRecords, start: int) -> None:
         at = HEADER_BYTES + start * self.layout.record_bytes
-        fd = open_loaded(self.path, self._file_id, os.O_RDWR, need=at)
+        fd = self._open_in_place(os.O_RDWR, need=at)
         try:
             os.lseek(fd, at, os.SEEK_SET)
             write_all(fd, self.layout.pack(recs))
@@ -144,7 +144,7 @@ class ColiKVFile(CacheFile):
             os.close(fd)
 
     def _cut(self, n: int) -> None:
-        fd = open_loaded(self.path, self._file_id, os.O_RDWR,
+        fd = self._open_in_place(os.O_RDWR,
                          need=HEADER_BYTES + n * self.layout.record_bytes)
         try:
             os.pwrite(fd, struct.pack("<i", n), NREC_OFFSET)  # commit the shorter length first

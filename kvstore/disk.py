@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kernels.tiers import TierError, tier_from_tag
-from kvstore.cachefile import CacheFile, FileContents, check_loaded, file_id, open_loaded, write_all
+from kvstore.cachefile import CacheFile, FileContents, check_loaded, file_id, write_all
 from kvstore.fingerprint import FIELDS, Fingerprint, HeaderError
 from kvstore.records import KVRecords, RecordLayout
 
@@ -217,7 +217,7 @@ class ArrowKVFile(CacheFile):
 
     def _append(self, recs: KVRecords, start: int) -> None:
         end = self._bounds[-1][1]
-        fd = open_loaded(self.path, self._file_id, os.O_WRONLY, need=end)
+        fd = self._open_in_place(os.O_WRONLY, need=end)
         try:
             os.lseek(fd, end, os.SEEK_SET)
             size = self._write_batch(fd, recs, start)
@@ -234,7 +234,7 @@ class ArrowKVFile(CacheFile):
         if tail is not None and len(tail) != n - recs_at:
             raise OSError(errno.EIO, f"{self.path}: records {recs_at}..{n} read back short "
                                      f"({len(tail)}): the file changed since it was loaded")
-        fd = open_loaded(self.path, self._file_id, os.O_WRONLY, need=byte_at)
+        fd = self._open_in_place(os.O_WRONLY, need=byte_at)
         try:
             os.ftruncate(fd, byte_at)
             os.fsync(fd)

@@ -6,6 +6,7 @@ long as the last append the writer acknowledged after its fsync.
 """
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import signal
@@ -33,10 +34,14 @@ def ctx():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,tier,kills,max_chunk", [
-    ("arrow", "f32", 20, 256), ("arrow", "kv8", 15, 256), ("coli", "kv8", 25, 128),
+@pytest.mark.parametrize("fmt,tier,kills,max_chunk,linked", [
+    ("arrow", "f32", 20, 256, False), ("arrow", "kv8", 15, 256, False),
+    ("coli", "kv8", 25, 128, False), ("arrow", "kv8", 10, 256, True), ("coli", "f32", 10, 128, True),
 ])
-def test_sigkill_while_appending(tmp_path, ctx, fmt, tier, kills, max_chunk):
+def test_sigkill_while_appending(tmp_path, ctx, fmt, tier, kills, max_chunk, linked):
+    """linked: before each writer starts, the file gets a second name (a hard link, as in a
+    `cp -al` snapshot), which must keep its bytes whenever the writer is killed (it detaches
+    the file before its first write)."""
     path = str(tmp_path / f"c.{fmt}")
     rng = np.random.default_rng(1234)
     stats = {"torn": 0, "files": 1, "max_records": 0}
@@ -54,6 +59,11 @@ def test_sigkill_while_appending(tmp_path, ctx, fmt, tier, kills, max_chunk):
 
     for kill in range(kills):
         assert time.monotonic() - t0 < 120, f"only {kill} kills in 120 s"
+        snap = None
+        if linked and os.path.exists(path):
+            snap = f"{path}.snap"
+            os.link(path, snap)
+            snap_bytes = hashlib.sha256(open(snap, "rb").read()).hexdigest()
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=crash_writer.write_forever, args=(path, fmt, FP, tier, max_chunk, child))
         p.start()
@@ -77,6 +87,9 @@ def test_sigkill_while_appending(tmp_path, ctx, fmt, tier, kills, max_chunk):
             except EOFError:
                 break
         parent.close()
+        if snap is not None:
+            assert hashlib.sha256(open(snap, "rb").read()).hexdigest() == snap_bytes, f"kill {kill}"
+            os.unlink(snap)
 
         f = CLASSES[fmt](path, FP, tier)
         got = f.load() if os.path.exists(path) else None
