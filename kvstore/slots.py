@@ -16,7 +16,13 @@ which an atomic rewrite replaces); a second writer, in this process or another, 
 SlotBusyError naming the file and the holder's pid. A slot file that is a symlink (onto
 shared storage) is written through to its target, so its lock is the link's sidecar and
 also the target's, "<target>.lock": two links to one file, or a link and the file's own
-path, exclude each other.
+path, exclude each other. Hard links are not tied together that way (a name cannot find
+the others): two names of one file, e.g. a slot file and its copy in a `cp -al` snapshot,
+have a sidecar each, and kvfleet detaches the file before writing into it through one of
+them (kvstore/cachefile.py), so the other names keep their bytes and each name becomes a
+file of its own. A sidecar that is itself hard-linked (`cp -al` links the ".lock" files
+too) is replaced by a new one when it is locked, so the two names' writers do not exclude
+each other once their files are separate.
 """
 from __future__ import annotations
 
@@ -62,7 +68,9 @@ class SlotLock:
     target, after `path`.lock (kept, so that a process that locks only the link's sidecar,
     as kvfleet did before, is still excluded). A link that does not resolve has only its own
     sidecar to lock; loading or rewriting it refuses (cachefile.unresolved_link). A plain
-    file has the one sidecar `path`.lock, as ever. `lock_paths` lists what is held.
+    file has the one sidecar `path`.lock, as ever. `lock_paths` lists what is held. A lock
+    file with other hard links (a `cp -al` snapshot's sidecar) is swapped, once locked, for
+    one of its own (_own_lock).
 
     close(remove=True) also deletes the lock files, while still holding them (`kvfleet kv
     convert` does, so that no OUT.lock is left beside the file it wrote). An opener that got
@@ -127,11 +135,33 @@ def _lock(lock_path: str, name: str) -> int:
         except FileNotFoundError:
             current = None
         if current is not None and os.path.samestat(os.fstat(fd), current):
+            if current.st_nlink > 1:
+                fd = _own_lock(fd, lock_path)
             break
         os.close(fd)  # a holder deleted it as it let go: lock the file that is there now
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _own_lock(fd: int, lock_path: str) -> int:
+    """In place of the held lock file `fd` at `lock_path`, which has other hard links (the
+    sidecar of another name, e.g. in a `cp -al` snapshot): a new lock file, locked before it
+    is renamed over `lock_path`, so that the lock is never free there; then `fd` is let go.
+    An opener that had opened the old file finds that the path names another (_lock)."""
+    tmp = lock_path + ".tmp"  # only the holder of lock_path's file makes it
+    new = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(tmp, lock_path)
+    except BaseException:
+        os.close(new)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        os.close(fd)
+        raise
+    os.close(fd)  # (closing it lets go of its flock)
+    return new
 
 
 class SlotFiles:

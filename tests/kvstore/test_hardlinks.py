@@ -12,7 +12,7 @@ import pytest
 from diskdata import FP, records, same
 from kvstore import cachefile
 from kvstore.records import KVRecords
-from kvstore.slots import SlotFiles
+from kvstore.slots import SlotBusyError, SlotFiles, SlotLock
 
 FORMATS = [("arrow", "kv8"), ("coli", "tq4"), ("arrow", "f32"), ("coli", "kv8")]
 
@@ -109,6 +109,34 @@ def test_two_writers_through_two_names_write_two_files(tmp_path, fmt, tier):
     got_a, got_b = load(s)[0], load(link)[0]
     assert same(got_a.slice(0, 8), KVRecords.concat([old, mine])) and len(got_a) == 9
     assert same(got_b, KVRecords.concat([old, theirs]))
+
+
+@pytest.mark.parametrize("fmt,tier", FORMATS[:2])
+def test_a_snapshots_linked_sidecars_stop_excluding_once_locked(tmp_path, fmt, tier):
+    # `cp -al` links the ".lock" sidecars too: the live cache and its snapshot shared one
+    # lock, so a job on the snapshot found every slot busy while the other job ran.
+    s, old = cache_with(tmp_path, fmt, tier)
+    snapshot(s.dir, tmp_path / "snap")
+    snap = SlotFiles(tmp_path / "snap", FP, tier, fmt=fmt)
+    assert os.stat(snap.path("c") + ".lock").st_nlink == 2
+    theirs, mine = records(FP, tier, 2, seed=8, start=5), records(FP, tier, 1, seed=9, start=5)
+    with s.open("c") as a, snap.open("c") as b:  # the snapshot's writer gets its own lock
+        a.load()
+        b.load()
+        b.append(theirs)
+        a.append(mine)
+    for lock in (s.path("c") + ".lock", snap.path("c") + ".lock"):
+        assert os.stat(lock).st_nlink == 1
+    assert same(load(snap)[0], KVRecords.concat([old, theirs]))
+    assert same(load(s)[0], KVRecords.concat([old, mine]))
+    # each name is still one writer at a time
+    held = SlotLock(snap.path("c"))
+    try:
+        with pytest.raises(SlotBusyError):
+            SlotLock(snap.path("c"))
+        SlotLock(s.path("c")).close()
+    finally:
+        held.close()
 
 
 @pytest.mark.parametrize("fmt,tier", FORMATS[:2])
