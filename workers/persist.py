@@ -19,7 +19,9 @@ sequence:
              completion minus the last sampled token, which never went through the model:
              it is cut back to the longest prefix it shares with them (a prompt that
              diverged or shrank truncates it) and the rows past that are appended (one
-             fsync'd append); then the lock is let go.
+             fsync'd append); then the lock is let go. A file with other hard links (a
+             `cp -al` snapshot of the cache dir) is first given a file of its own, so the
+             snapshot keeps its bytes (kvstore/cachefile.py; counted as "detached").
 
 The cut happens at release, not at attach: a rerun of the same prompt that produces the
 same tokens finds the file already right and writes nothing (no partial-batch rewrite, no
@@ -75,7 +77,7 @@ class _Open:
 # every name SlotPersist counts in `events` (the kvfleet_kv_cache metric's `event` tag,
 # started at 0 on the metrics endpoint: cluster/metrics.py)
 CACHE_EVENTS = ("hits", "misses", "busy", "errors", "rejected", "upgraded", "loaded_tokens",
-                "saved_tokens", "save_errors", "truncated")
+                "saved_tokens", "save_errors", "truncated", "detached")
 
 
 class SlotPersist:
@@ -203,6 +205,9 @@ class SlotPersist:
                           o.done - c, e)
                 self.events["save_errors"] += 1
                 return
+            finally:
+                if o.file.detached:  # (even if the append after the detach failed)
+                    self.events["detached"] += 1
             self.events["saved_tokens"] += o.done - c
             if c < min(o.done, len(o.saved)):
                 self.events["truncated"] += 1  # the file had diverged from the sequence at c

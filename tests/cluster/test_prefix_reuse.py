@@ -121,6 +121,31 @@ def test_conversation_continues_from_the_whole_saved_turn(tiny, tmp_path, forwar
     assert rows["t2"]["completion_tokens"] == ref["t2"]["completion_tokens"]
 
 
+@pytest.mark.parametrize("fmt", ["arrow", "coli"])
+def test_a_snapshot_of_the_cache_dir_keeps_its_turn(tiny, tmp_path, fmt):
+    """A `cp -al` snapshot of the cache dir, then the conversation goes on in the live dir:
+    the append went into the inode both names share, so the snapshot held turn 2 as well."""
+    cache, snap = tmp_path / "cache", tmp_path / "snap"
+    toks = prompt(4)
+    first, _ = run(tiny, tmp_path / "r1", [line("t1", toks)], cache, kv_cache_format=fmt)
+    snap.mkdir()
+    for name in os.listdir(cache):  # the slot file and its lock sidecar
+        os.link(cache / name, snap / name)
+    name = slot_filename("conv", ".arrow" if fmt == "arrow" else ".coli_kv")
+    before = (snap / name).read_bytes()
+    turn2 = toks + first["t1"]["completion_tokens"] + prompt(5, 10)
+    rows, st = run(tiny, tmp_path / "r2", [line("t2", turn2)], cache, kv_cache_format=fmt)
+    assert rows["t2"]["cached_prompt_tokens"] == P + C - 1
+    assert (snap / name).read_bytes() == before and st.kv_cache["detached"] == 1
+    assert saved(tiny, snap, "conv", "f32", fmt)[0].tokens.tolist() == toks + first["t1"]["completion_tokens"][:-1]
+    assert saved(tiny, cache, "conv", "f32", fmt)[0].tokens.tolist() == turn2 + rows["t2"]["completion_tokens"][:-1]
+    # the two files go their own ways: a run on the snapshot writes only there
+    live = (cache / name).read_bytes()
+    _, st = run(tiny, tmp_path / "r3", [line("t3", toks + prompt(6, 5))], snap, kv_cache_format=fmt)
+    assert st.kv_cache["truncated"] == 1 and "detached" not in st.kv_cache
+    assert (cache / name).read_bytes() == live
+
+
 @pytest.mark.parametrize("shared", [25, 12])
 def test_shrinking_prefix_truncates_the_file_then_appends(tiny, tmp_path, monkeypatch, shared):
     cache = tmp_path / "cache"
