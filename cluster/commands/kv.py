@@ -8,7 +8,9 @@ that model would resume it). `convert` rewrites the records in another format an
 encode, which is lossy); the output is written atomically, under the output's slot lock
 (kvstore/slots.py), so a file that a running job holds is refused, never renamed under it;
 convert deletes that lock file again as it lets go (a busy output's lock, which another
-process holds, is left alone).
+process holds, is left alone). An output with other hard links (a `cp -al` snapshot) is
+replaced by a file of its own, never written in place: its other names keep their bytes
+(convert says so in a note).
 Both refuse a file that a loader would throw away whole (a clean start).
 """
 from __future__ import annotations
@@ -161,6 +163,8 @@ def convert_cmd(args) -> int:
         cls = disk.ArrowKVFile if fmt == "arrow" else coli.ColiKVFile
         dst = cls(args.output, src.fp, dst_tier)
         dst.rewrite(out)
+        if dst.detached:
+            print(f"note: {args.output} had other hard links; they keep the old file")
     finally:
         lock.close(remove=True)  # (held by us: no other process can hold its lock files now)
     print(f"wrote {len(out)} records ({dst_tier.name}, {fmt}) to {args.output} "

@@ -366,3 +366,35 @@ def test_convert_onto_a_file_a_job_holds_through_a_link_is_refused(tmp_path, cap
     assert run(capsys, "kv", "convert", src, link, "--to", "kv8")[0] == 0
     assert sorted(os.listdir(tmp_path / "cache")) == ["c.arrow"]  # no lock file left behind
     assert sorted(os.listdir(tmp_path / "share")) == ["real.arrow"]
+
+
+def test_convert_onto_a_hard_linked_file_keeps_its_other_names(tmp_path, capsys):
+    # An OUT that shares its inode with a `cp -al` snapshot (its lock sidecar linked too):
+    # the snapshot must keep its bytes, and convert says that the names are two files now.
+    (tmp_path / "cache").mkdir()
+    src, out_file = tmp_path / "in.coli_kv", tmp_path / "cache" / "c.arrow"
+    _, enc = encoded(FP, "kv8", 6, seed=26)
+    write(ColiKVFile, src, FP, "kv8", [enc])
+    old = write(ArrowKVFile, out_file, FP, "f32", [records(FP, "f32", 3, seed=27)])
+    (tmp_path / "cache" / "c.arrow.lock").write_text("1")
+    os.mkdir(tmp_path / "snap")
+    for name in ("c.arrow", "c.arrow.lock"):
+        os.link(tmp_path / "cache" / name, tmp_path / "snap" / name)
+    snap = tmp_path / "snap" / "c.arrow"
+    before = snap.read_bytes()
+    rc, out, err = run(capsys, "kv", "convert", src, out_file, "--to", "kv8")
+    assert rc == 0, err
+    assert f"note: {out_file} had other hard links; they keep the old file" in out
+    assert snap.read_bytes() == before and same(ArrowKVFile(snap, FP, "f32").load(), old)
+    assert same(ArrowKVFile(out_file, FP, "kv8").load(), enc)
+    assert os.stat(out_file).st_nlink == 1
+    assert sorted(os.listdir(tmp_path / "cache")) == ["c.arrow"]  # its own lock file removed
+    assert sorted(os.listdir(tmp_path / "snap")) == ["c.arrow", "c.arrow.lock"]
+    # in place (IN = OUT), through a name that is hard-linked again
+    os.unlink(snap)
+    os.link(out_file, snap)
+    before = snap.read_bytes()
+    rc, out, _ = run(capsys, "kv", "convert", out_file, out_file, "--to", "tq4")
+    assert rc == 0 and "had other hard links" in out
+    assert snap.read_bytes() == before and same(ArrowKVFile(snap, FP, "kv8").load(), enc)
+    assert len(ArrowKVFile(out_file, FP, "tq4").load()) == 6
