@@ -216,8 +216,8 @@ class CacheFile:
 
     def _heal(self) -> None:
         if self._heal_to is not None:
+            fd = self._open_in_place(os.O_WRONLY, need=self._heal_to)  # (after a detach's log)
             log.warning("%s: self-heal: cutting torn tail at byte %d", self.path, self._heal_to)
-            fd = self._open_in_place(os.O_WRONLY, need=self._heal_to)
             try:
                 os.ftruncate(fd, self._heal_to)
                 os.fsync(fd)
