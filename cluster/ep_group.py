@@ -54,7 +54,8 @@ class ShardedGroup:
         self.capacities = [p.spec.slots for p in placements]
         self.kinds = [p.kind for p in placements]
         self.room = [p.expert_room for p in placements]
-        self.owners, self.expert_bytes = split_owners(cfg, self.room, sharded)
+        split = split_owners(cfg, self.room, sharded)
+        self.owners, self.pinned, self.expert_bytes = split.owners, split.pinned, split.expert_bytes
         self.dead: set[int] = set()
         self.deaths = self.recoveries = self.experts_moved = 0
         self.stats_every_s, self._stats_t = stats_every_s, 0.0
@@ -62,7 +63,7 @@ class ShardedGroup:
         tag = uuid.uuid4().hex[:6]
         cls = ray.remote(concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS})(ShardedWorker)
         self.actors = [cls.options(name=f"kvfleet-{tag}-{p.spec.name.replace('/', '.')}",
-                                   **p.options).remote(p.spec, p.kind, r, self.owners[r])
+                                   **p.options).remote(p.spec, p.kind, r, self.owners[r], self.pinned[r])
                        for r, p in enumerate(placements)]
         refs = [a.info.remote() for a in self.actors]
         self.info: list[dict | None] = []
@@ -225,19 +226,22 @@ class ShardedGroup:
             log.warning("worker stats unavailable: %s", e)
             return
         for s in stats:
-            self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"])
+            self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"],
+                                      s["expert_pins_host"])
 
     def close(self) -> None:
         import ray
         try:
             self.final_stats = self.worker_stats()
             for s in self.final_stats:
-                log.info("worker %s (%s): %d experts held on the %s, hit rate %s, %d picks "
-                         "served for peers, rss %.0f MB", s["name"], s["device"], s["expert_pins"],
-                         "GPU" if s["expert_device"] == "cuda" else "host",
+                log.info("worker %s (%s): %d experts held, %d on the GPU and %d in host memory, "
+                         "hit rate %s, %d picks served for peers, %d picks computed on the host, "
+                         "rss %.0f MB", s["name"], s["device"], s["expert_pins"],
+                         s["expert_pins_device"], s["expert_pins_host"],
                          "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
-                         s["served_picks"], s["rss_bytes"] / 1e6)
-                self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"])
+                         s["served_picks"], s["host_picks"], s["rss_bytes"] / 1e6)
+                self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"],
+                                          s["expert_pins_host"])
         except ray.exceptions.RayError as e:
             log.warning("final worker stats unavailable: %s", e)
         for a in self.actors:
@@ -265,8 +269,9 @@ def start_group(cfg: JobConfig):
 
 def local_group(cfg: JobConfig, placements: list[Placement], sharded: bool = True):
     from workers.ep_worker import ShardedWorker
-    owners, _ = split_owners(cfg, [p.expert_room for p in placements], sharded)
-    workers = [ShardedWorker(p.spec, p.kind, r, owners[r]) for r, p in enumerate(placements)]
+    split = split_owners(cfg, [p.expert_room for p in placements], sharded)
+    workers = [ShardedWorker(p.spec, p.kind, r, split.owners[r], split.pinned[r])
+               for r, p in enumerate(placements)]
     for w in workers:
         w.connect(dict(enumerate(workers)), transport="local")
     return LocalGroup(workers)  # ShardedWorkers in this process over LocalTransport

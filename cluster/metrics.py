@@ -12,6 +12,9 @@
                                                  cuda.host_model_steps: a cuda worker on numpy;
                                                  every path: workers/fallbacks.py)
     kvfleet_expert_pins               Gauge      tag device: routed experts the worker holds
+    kvfleet_expert_pins_host          Gauge      tag device: of those, held in host memory (all
+                                                 of a cpu or metal worker's; a cuda worker's
+                                                 that the plan does not pin on its GPU)
     kvfleet_expert_hit_rate           Gauge      tag device: share of its routed picks served
                                                  by its own shard (workers/expert_shard.py)
     kvfleet_worker_deaths             Counter    workers found dead during the job
@@ -56,6 +59,8 @@ class JobMetrics:
                                        tag_keys=("path",)),
                 "pins": m.Gauge("kvfleet_expert_pins", "routed experts held by the worker",
                                 tag_keys=("device",)),
+                "pins_host": m.Gauge("kvfleet_expert_pins_host", "routed experts held in host memory",
+                                     tag_keys=("device",)),
                 "hit": m.Gauge("kvfleet_expert_hit_rate", "share of routed picks served locally",
                                tag_keys=("device",)),
                 "deaths": m.Counter("kvfleet_worker_deaths", "workers found dead"),
@@ -129,14 +134,16 @@ class JobMetrics:
         if self._ray:
             self._ray["fallbacks"].inc(n, tags={"path": path})
 
-    def expert_stats(self, device: str, pins: int, hit_rate: float | None) -> None:
+    def expert_stats(self, device: str, pins: int, hit_rate: float | None, pins_host: int) -> None:
         if not self.enabled:
             return
         self.local[f"expert_pins[{device}]"] = pins
+        self.local[f"expert_pins_host[{device}]"] = pins_host
         if hit_rate is not None:
             self.local[f"expert_hit_rate[{device}]"] = hit_rate
         if self._ray:
             self._ray["pins"].set(pins, tags={"device": device})
+            self._ray["pins_host"].set(pins_host, tags={"device": device})
             if hit_rate is not None:
                 self._ray["hit"].set(hit_rate, tags={"device": device})
 

@@ -19,7 +19,9 @@ relative `workers.fleet` resolves against the repo root, as a relative `model` d
 Experts (`split_owners`): cluster.planner.split_experts over each device's room for experts
 in the budget plan (free + pinned bytes), so every routed expert has exactly one owner:
 dealt out evenly when an even share fits every device (cluster.planner.deal_evenly), else
-most room first, as `kvfleet plan` shows it.
+most room first, as `kvfleet plan` shows it. The plan's pinned flag goes with it: a cuda
+worker keeps its pinned experts on the GPU and the others in host memory
+(workers/ep_worker.py), so its experts take no more device memory than its room.
 """
 from __future__ import annotations
 
@@ -113,19 +115,38 @@ def _spec(cfg: JobConfig, name: str, slots: int) -> WorkerSpec:
                       kv_cache_format=cfg.kv_cache_format)
 
 
-def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> tuple[list[dict], int]:
-    """Per worker its owner table {MoE layer: int32[E] owner rank}, and the bytes of one
-    expert. Replicated: every worker owns every expert (its own rank everywhere)."""
+@dataclass(frozen=True)
+class ExpertSplit:
+    """The routed experts of a job's workers, as the budget plan splits and pins them."""
+    owners: list[dict[int, np.ndarray]]  # per worker, one shared table {MoE layer: int32[E] owner rank}
+    pinned: list[dict[int, np.ndarray]]  # per worker {MoE layer: bool[E]}: owned there and pinned
+    expert_bytes: int  # one routed expert as the plan counts it
+
+
+def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> ExpertSplit:
+    """The owner table (every routed expert of a loaded MoE layer has exactly one owner) and
+    which of each worker's experts the plan pins: those that fit its room (the plan's
+    `pinned`), the rest it serves from host memory (workers/ep_worker.py). Replicated: every
+    worker owns every expert (its own rank everywhere) and pins as many as fit its room, in
+    the planner's order (spread over the layers)."""
     from cluster.footprint import Footprint
-    from cluster.planner import split_experts
+    from cluster.planner import assign_experts, expert_order, split_experts
     fp = Footprint.from_file(cfg.model)
     E, layers = fp.config.n_routed_experts, [l for l in fp.moe_layers if l < fp.config.num_hidden_layers]
     eb = fp.expert_bytes(EXPERT_FORMAT)
+
+    def table(fill, experts, values):
+        out = {l: np.full(E, fill) for l in layers}
+        for (l, e), v in zip(experts.tolist(), values.tolist()):
+            if l in out:  # MTP layers are not run
+                out[l][e] = v
+        return out
     if not sharded:
-        return [{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))], eb
+        order = expert_order(layers, E)
+        pins = [assign_experts([room], eb, order) for room in rooms]
+        return ExpertSplit([{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))],
+                           [table(False, a.experts, a.pinned) for a in pins], eb)
     a = split_experts(fp, rooms, EXPERT_FORMAT)
-    owners = {l: np.full(E, -1, np.int32) for l in layers}
-    for (l, e), o in zip(a.experts.tolist(), a.owner.tolist()):
-        if l in owners:  # MTP layers are not run
-            owners[l][e] = o
-    return [owners] * len(rooms), eb
+    owners = {l: o.astype(np.int32) for l, o in table(-1, a.experts, a.owner).items()}
+    pinned = [table(False, a.experts, a.pinned & (a.owner == r)) for r in range(len(rooms))]
+    return ExpertSplit([owners] * len(rooms), pinned, eb)

@@ -10,10 +10,13 @@ whatever the two are doing), and a worker with no sequences in a step still serv
 Kinds: `metal` runs the MLX model (workers.mlx_model.load_metal; the MLX CPU backend off
 Apple silicon), `cuda` the CuPy model (workers.cuda_model.load_cuda; the numpy model, with
 a warning, where CuPy sees no GPU), `cpu` the numpy model. Where its routed experts live
-(workers/expert_shard.py): a cuda worker running the CuPy model keeps them on its GPU and
-computes them there, its own picks and its peers' (a peer's call uploads its rows, computes
-on the worker's device from an experts-group thread, downloads the answer); every other
-worker keeps them in host memory and computes them with numpy, so on metal peer calls never
+(workers/expert_shard.py): a cuda worker running the CuPy model keeps those the plan pins
+(`pinned`, from cluster.placement.split_owners) on its GPU and computes them there, its own
+picks and its peers' (a peer's call uploads its rows, computes on the worker's device from
+an experts-group thread, downloads the answer), and the others in host memory, computed with
+numpy; the model loads only the pinned ones, the others are read from the checkpoint into
+host memory, so the GPU never holds more than the plan gave it. Every other worker keeps all
+of its experts in host memory and computes them with numpy, so on metal peer calls never
 touch the MLX stream of the step thread.
 """
 from __future__ import annotations
@@ -36,14 +39,21 @@ EXPERT_CALL_THREADS = 16  # its threads: concurrent peer calls served (>= peers 
 
 
 class ShardedWorker(Worker):
-    def __init__(self, spec: WorkerSpec, kind: str, rank: int, owners: dict[int, np.ndarray]):
+    """owners: {MoE layer: int32[E] owner rank}, the same table on every worker. pinned:
+    {MoE layer: bool[E]}, True where this worker owns the expert and the plan pins it (in
+    its device memory); None pins every expert it owns. Only a cuda worker running the CuPy
+    model reads it (others hold every expert in host memory)."""
+
+    def __init__(self, spec: WorkerSpec, kind: str, rank: int, owners: dict[int, np.ndarray],
+                 pinned: dict[int, np.ndarray] | None = None):
         from cluster.config import resolve_model
         from workers.config import ModelConfig
         self.kind, self.rank = kind, rank
         self.model_dir = resolve_model(spec.model)
         self.cfg = ModelConfig.from_file(self.model_dir / "config.json")
         mine = {int(l): np.flatnonzero(np.asarray(o) == rank) for l, o in owners.items()}
-        pool = None
+        pin = _pinned(owners, pinned, self.cfg.n_routed_experts)
+        pool, host = None, {}
         # MLX streams belong to the thread that made them, and a threaded actor runs calls on
         # pool threads: a metal worker loads and steps its model on one thread of its own.
         self._mlx_thread = ThreadPoolExecutor(1, "mlx") if kind == "metal" else None
@@ -53,8 +63,12 @@ class ShardedWorker(Worker):
                 load_metal, self.model_dir, spec.tier, spec.slots, spec.max_context,
                 spec.block_size, experts=mine).result()
         elif kind == "cuda" and cuda_model.use_cuda(spec.name):  # else numpy, said once
+            rest = {l: ids[~pin[l][ids]] for l, ids in mine.items()}
+            mine = {l: ids[pin[l][ids]] for l, ids in mine.items()}  # loaded onto the GPU
             model, pool = cuda_model.load_cuda(self.model_dir, spec.tier, spec.slots,
                                                spec.max_context, spec.block_size, experts=mine)
+            host = {l: (rest[l], *stacks) for l, stacks in
+                    read_experts(self.model_dir, self.cfg, {l: v for l, v in rest.items() if len(v)}).items()}
         else:
             from workers.model import Model
             from workers.weights import load_params
@@ -62,12 +76,13 @@ class ShardedWorker(Worker):
         # a cuda worker that runs the numpy model: each of its steps is counted as a fallback
         # (path cuda.host_model_steps), beside use_cuda's one warning
         self._host_fallback = kind == "cuda" and pool is None
-        self.experts = ShardedExperts(rank, owners, take_shard(model, self.cfg, mine))
+        self.experts = ShardedExperts(rank, owners, take_shard(model, self.cfg, mine, host))
         model.set_experts(self.experts)
         super().__init__(spec, model=model, pool=pool)
-        log.info("%s (%s, rank %d): %d routed experts of %d loaded, on the %s", spec.name, kind,
-                 rank, self.experts.shard.count(), sum(len(o) for o in owners.values()),
-                 "GPU" if self.experts.device == "cuda" else "host")
+        c = self.experts.counters()
+        log.info("%s (%s, rank %d): %d routed experts of %d loaded, %d on the GPU, %d in host "
+                 "memory", spec.name, kind, rank, c["expert_pins"], sum(len(o) for o in owners.values()),
+                 c["expert_pins_device"], c["expert_pins_host"])
 
     def info(self) -> dict:
         import ray
@@ -107,9 +122,14 @@ class ShardedWorker(Worker):
     def alive(self) -> int:
         return self.rank
 
-    def reassign(self, owners: dict[int, np.ndarray], drop_peers: tuple[int, ...] = ()) -> dict:
+    def reassign(self, owners: dict[int, np.ndarray], drop_peers: tuple[int, ...] = (),
+                 pinned: dict[int, np.ndarray] | None = None) -> dict:
         """Take the new ownership table: read the experts newly ours from the checkpoint
-        (by name; nothing else is read) and forget dead peers. Returns {layer: ids loaded}."""
+        (by name; nothing else is read) and forget dead peers. pinned: as in __init__, the
+        group's call (cluster/ep_group.py decides which gained experts fit the device room);
+        a SplitShard puts the gained pinned ones on the GPU, the others in host memory.
+        Returns {layer: ids loaded}."""
+        pin = _pinned(owners, pinned, self.cfg.n_routed_experts)
         new = {}
         for l, o in owners.items():
             want = np.flatnonzero(np.asarray(o) == self.rank)
@@ -117,7 +137,7 @@ class ShardedWorker(Worker):
             if gained.size:
                 new[int(l)] = gained
         for l, (g, u, d) in read_experts(self.model_dir, self.cfg, new).items():
-            self.experts.shard.add(l, new[l], g, u, d)
+            self.experts.shard.add(l, new[l], g, u, d, pinned=pin[l][new[l]])
         self.experts.set_owners(owners)
         t = self.experts.transport
         for r in drop_peers:
@@ -133,3 +153,16 @@ class ShardedWorker(Worker):
         return dict(self.experts.counters(), name=self.spec.name, device=self.kind,
                     rss_bytes=rss_bytes(),
                     device_mem_bytes=self.on_model_thread(device_mem_bytes, self.kind))
+
+
+def _pinned(owners: dict, pinned: dict | None, n_experts: int) -> dict[int, np.ndarray]:
+    """pinned as {layer: bool[E]} for every layer of owners (None: all True); a table that
+    does not match owners is refused, naming the layer."""
+    if pinned is None:
+        return {int(l): np.ones(n_experts, bool) for l in owners}
+    out = {int(l): np.asarray(v, bool) for l, v in pinned.items()}
+    if set(out) != {int(l) for l in owners} or any(v.shape != (n_experts,) for v in out.values()):
+        raise ValueError(f"pinned: needs a bool[{n_experts}] for each MoE layer of owners "
+                         f"{sorted(int(l) for l in owners)}, got "
+                         f"{ {l: v.shape for l, v in sorted(out.items())} }")
+    return out

@@ -129,7 +129,7 @@ def test_int4_fleet_job_and_printed_plan_split_experts_alike(tmp_path, capsys, c
     cfg = job(model=str(mini), kv="f32", max_context=64, workers={"fleet": str(fleet), "experts": "sharded"})
     pl = fleet_placements(cfg)
     assert [abs(p.expert_room - r) < 1000 for p, r in zip(pl, (small, small, big))] == [True] * 3
-    owners = split_owners(cfg, [p.expert_room for p in pl], True)[0][0]
+    owners = split_owners(cfg, [p.expert_room for p in pl], True).owners[0]
     job_counts = [{str(l): int((o == w).sum()) for l, o in owners.items()} for w in range(3)]
     assert [sum(c.values()) for c in job_counts] == [0, 0, 24]  # bf16: 8 do not fit a or b
     # the plan command that `kvfleet plan --config JOB` points at prints exactly that split

@@ -16,6 +16,7 @@ from kvstore.pool import KVPool
 from runtime_helpers import job_config, prompt_lines, rows_by_id, write_lines
 from workers.actor import LocalGroup, WorkerSpec
 from workers.config import ModelConfig
+from workers import ep_worker
 from workers.ep_worker import ShardedWorker
 from workers.model import Model
 from workers.safetensors_io import TensorRef
@@ -248,3 +249,77 @@ def test_placements_by_kind_resource_and_admission_by_capacity(tiny, tmp_path):
     waiting, active = deque(prep(i, p) for i, p in enumerate(prompts(4))), []
     sched._admit(waiting, active)
     assert [s.worker for s in active] == [0, 1, 2, 0]  # 2 : 1 : 1 for capacities 4 : 2 : 2
+
+
+def test_the_plans_pinned_flags_reach_each_worker(tiny, monkeypatch):
+    """Uneven rooms (no even share fits: most room first, 6 of 16 experts left unpinned) for
+    two cuda workers and a cpu one: split_owners carries the planner's pinned flag of every
+    expert to its owner, a cuda worker loads only its pinned experts onto the model (the
+    device; here load_cuda is watched and builds the numpy model, as no GPU is here) and
+    reads the others into host memory, a cpu worker loads all of its own; each holds exactly
+    its share and the group's logits are the full model's."""
+    from cluster.footprint import Footprint
+    from cluster.placement import split_owners
+    from cluster.planner import split_experts
+    from workers import cuda_model
+    cfg = config(tiny, workers={"runtime": "inprocess", "experts": "sharded"})
+    mcfg = ModelConfig.from_file(tiny / "config.json")
+    fp = Footprint.from_file(tiny / "config.json")
+    eb = fp.expert_bytes("bf16")
+    rooms, kinds = [5 * eb + eb // 2, 2 * eb, 3 * eb], ("cuda", "cuda", "cpu")
+    split = split_owners(cfg, rooms, True)
+    a = split_experts(fp, rooms, "bf16")
+    assert not a.even and (~a.pinned).sum() == 6
+    for (l, e), o, p in zip(a.experts.tolist(), a.owner.tolist(), a.pinned.tolist()):
+        assert split.owners[0][l][e] == o
+        assert [bool(split.pinned[r][l][e]) for r in range(3)] == [r == o and p for r in range(3)]
+    assert all(s is split.owners[0] for s in split.owners)  # one table for all
+    moe = sorted(split.owners[0])
+    per_layer = [[int(split.pinned[0][l].sum()) for l in moe], [int(split.pinned[1][l].sum()) for l in moe]]
+    assert per_layer[0] != per_layer[1]  # (ragged: the ranks pin different counts per layer)
+    loads = []
+    real_read = ep_worker.read_experts
+    reads = []
+
+    def load_cuda(model_dir, tier, slots, max_ctx, block_size=16, experts=None):
+        loads.append({l: sorted(np.asarray(v).tolist()) for l, v in experts.items()})
+        return Model(mcfg, load_params(model_dir, mcfg, experts=experts)), None
+
+    def read_experts(model_dir, c, wanted):
+        reads.append({l: sorted(np.asarray(v).tolist()) for l, v in wanted.items()})
+        return real_read(model_dir, c, wanted)
+    monkeypatch.setattr(cuda_model, "use_cuda", lambda name: True)
+    monkeypatch.setattr(cuda_model, "load_cuda", load_cuda)
+    monkeypatch.setattr(ep_worker, "read_experts", read_experts)
+    ws = [ShardedWorker(WorkerSpec(f"w{r}", str(tiny), "f32", 2, 64), k, r, split.owners[r], split.pinned[r])
+          for r, k in enumerate(kinds)]
+    owned = lambda r, l: np.flatnonzero(split.owners[0][l] == r).tolist()  # noqa: E731
+    for r in (0, 1):  # the cuda workers: pinned on the model, the rest read for host memory
+        assert loads[r] == {l: np.flatnonzero(split.pinned[r][l]).tolist() for l in moe}
+        rest = {l: sorted(set(owned(r, l)) - set(loads[r][l])) for l in moe}
+        assert reads[r] == {l: v for l, v in rest.items() if v} and any(rest.values())
+    assert len(loads) == 2 and len(reads) == 2  # the cpu worker: its model loads all of its own
+    for r, w in enumerate(ws):
+        for l in moe:
+            assert sorted(w.experts.shard.ids(l).tolist()) == owned(r, l)
+    for w in ws:
+        w.connect(dict(enumerate(ws)), transport="local")
+    full = Model.load(tiny)
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, mcfg.vocab_size, 11)
+    ref_pool = KVPool.for_model(mcfg, "f32", 1, 64)
+    ref = full.forward(toks, np.full(11, ref_pool.alloc_slot()), np.arange(11), ref_pool)
+    for w in ws:
+        got = w.model.forward(toks, np.full(11, w.pool.alloc_slot()), np.arange(11), w.pool)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pinned_table_that_does_not_fit_the_owners_is_refused(tiny):
+    cfg = ModelConfig.from_file(tiny / "config.json")
+    owners = owner_table(cfg)
+    bad = {l: np.ones(cfg.n_routed_experts - 1, bool) for l in owners}
+    with pytest.raises(ValueError, match=r"pinned: needs a bool\[8\] for each MoE layer"):
+        ShardedWorker(WorkerSpec("w", str(tiny), "f32", 1, 64), "cpu", 0, owners, bad)
+    with pytest.raises(ValueError, match=r"pinned: .*\[1, 2\]"):
+        ShardedWorker(WorkerSpec("w", str(tiny), "f32", 1, 64), "cpu", 0, owners,
+                      {min(owners): np.ones(8, bool)})

@@ -1,6 +1,8 @@
 """A cuda worker's routed-expert shard on the GPU (workers/expert_shard.py over CuPy: stacks
 uploaded once, workers.moe.grouped_expert_sum on the device) against the host shard (numpy,
-which equals workers.moe.expert_sum bit for bit: tests/workers/test_expert_shard.py).
+which equals workers.moe.expert_sum bit for bit: tests/workers/test_expert_shard.py), and
+the SplitShard of a cuda worker whose plan pins only some experts (the rest in host memory,
+computed with numpy) against all of them on the device.
 
 Tolerance: every op is float32 (cuBLAS f32 GEMMs, no TF32; the fused SiLU-gate kernel), so
 only the order of GEMM sums and the last bits of tanh differ from numpy: each finite output
@@ -25,7 +27,7 @@ if not cuda_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 from expert_data import activations, hostile_routing, stacks  # noqa: E402
-from workers.expert_shard import ExpertShard, ShardedExperts  # noqa: E402
+from workers.expert_shard import ExpertShard, ShardedExperts, SplitShard  # noqa: E402
 from workers.moe import expert_sum  # noqa: E402
 from workers.transport import LocalTransport  # noqa: E402
 
@@ -126,13 +128,17 @@ def test_add_of_gained_experts_on_the_device():
                  host.compute(LAYER + 2, x, idx2, w))
 
 
-def test_serve_from_many_threads_at_once_equals_one_at_a_time():
+@pytest.mark.parametrize("split", [False, True])
+def test_serve_from_many_threads_at_once_equals_one_at_a_time(split):
     """Peer calls run on the experts concurrency group's threads (16 on a Ray actor): host
     arrays in, upload, compute on the shard's device, download. Many at once must give
-    each call's answer as alone, and count every pick served once."""
+    each call's answer as alone, and count every pick served once; also with some of the
+    experts in a SplitShard's host part (host_picks counts those)."""
     rng = np.random.default_rng(5)
     E, k = 12, 4
-    _, dev, _, ids = pair(rng, E)
+    host, dev, stk, ids = pair(rng, E)
+    if split:
+        dev, pinned = split_of(stk, ids, rng)
     owners = {LAYER: np.zeros(E, np.int32)}
     ex = ShardedExperts(0, owners, dev)
     calls = []
@@ -172,6 +178,11 @@ def test_serve_from_many_threads_at_once_equals_one_at_a_time():
             assert_close(got[t][c], alone[c])
     per_round = sum(int((c[1] >= 0).sum()) for c in calls)
     assert ex.counters()["served_picks"] - served == threads * rounds * per_round
+    if split:  # (the answers also equal the all-host shard's)
+        for c in range(len(calls)):
+            assert_close(alone[c], host.compute(LAYER, *calls[c]))
+        on_host = sum(int(np.isin(c[1], ids[~pinned]).sum()) for c in calls)
+        assert ex.counters()["host_picks"] == (threads * rounds + 1) * on_host > 0
 
 
 @pytest.mark.skipif(cp.cuda.runtime.getDeviceCount() < 2, reason="needs two GPUs")
@@ -278,3 +289,117 @@ def test_cuda_sharded_worker_in_process_gives_the_full_models_logits(tmp_path):
     assert s[0]["expert_bytes"] == s[0]["expert_pins"] * per > 0
     assert s[0]["expert_pins"] == sum(int((o == 0).sum()) for o in owners.values())
     assert s[1]["served_picks"] == s[0]["remote_picks"] > 0
+
+
+def split_of(stk, ids, rng):
+    """(SplitShard over `ids`: about half of them, shuffled, pinned in a cupy device part,
+    the rest in its numpy host part; the pinned flag of each id)."""
+    gate, up, down = stk
+    E = gate.shape[0]
+    pinned = rng.random(len(ids)) < 0.5
+    pinned[:2] = [True, False]
+    s = SplitShard(ExpertShard(E, cp), ExpertShard(E))
+    s.add(LAYER, ids, gate[ids], up[ids], down[ids], pinned=pinned)
+    return s, pinned
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_split_shard_equals_all_on_the_device(seed):
+    """Some experts pinned on the GPU, the others in host memory: device activations in,
+    the host picks' rows down, numpy, up and added: the all-on-device shard's output within
+    RTOL (hostile routing: -1 picks, a token with none, a NaN row that picks nothing, a NaN
+    row with host picks only, a token all on host). The device holds only the pinned
+    stacks: nbytes of the device part, and the memory pool grew by no host expert."""
+    rng = np.random.default_rng(60 + seed)
+    E, H, I, N, k = 12, 64, 40, 35 + seed, 4
+    host, dev, stk, ids = pair(rng, E, H, I, held=10)
+    pool = cp.get_default_memory_pool()
+    before = pool.used_bytes()
+    split, pinned = split_of(stk, ids, rng)
+    per = 3 * H * I * 4
+    grew = pool.used_bytes() - before
+    assert split.dev.nbytes() == int(pinned.sum()) * per and split.host.nbytes() == int((~pinned).sum()) * per
+    assert split.dev.nbytes() <= grew < split.dev.nbytes() + per, (grew, split.dev.nbytes())
+    assert split.host.xp is np and isinstance(split.host._layers[LAYER][2][0], np.ndarray)
+    x = activations(rng, N, H)
+    idx, w = routing_over(rng, ids, N, E, k)
+    host_ids = ids[~pinned]
+    idx[0] = -1
+    idx[0, :min(k, len(host_ids))] = host_ids[:k]
+    idx[4] = -1
+    idx[4, 2] = host_ids[0]
+    x[1] = np.nan  # (token 1 picks nothing)
+    x[4] = np.nan
+    ref = dev.compute(LAYER, cp.asarray(x), idx, w).get()
+    got = split.compute(LAYER, cp.asarray(x), idx, w)
+    assert isinstance(got, cp.ndarray)
+    got = got.get()
+    assert_close(got, ref)
+    assert not got[1].any() and np.isnan(got[4]).all()
+    assert split.host_picks(LAYER, idx) == int(np.isin(idx, host_ids).sum()) > 0
+    ex = ShardedExperts(0, {LAYER: np.zeros(E, np.int32)}, split)
+    assert_close(ex.apply(LAYER, cp.asarray(x), idx, w).get(), ref)
+    c = ex.counters()
+    assert (c["expert_pins_device"], c["expert_pins_host"]) == (int(pinned.sum()), int((~pinned).sum()))
+    assert c["expert_bytes_device"] == split.dev.nbytes() and c["expert_device"] == "cuda"
+    assert c["host_picks"] == split.host_picks(LAYER, idx)
+
+
+def test_cuda_worker_keeps_unpinned_experts_in_host_memory(tmp_path):
+    """A cuda ShardedWorker whose pinned table pins only some of its experts (and none of
+    one layer): the CudaModel loads only those (its shard's device part holds exactly
+    them; no expert stack left in its layers), the others are in the host part; logits of a
+    ragged batch equal the full numpy model's, host_picks > 0; a gained expert that the
+    group does not pin goes to host memory, a pinned one to the device."""
+    from kvstore.pool import KVPool
+    from scripts.make_tiny_model import make_tiny_model
+    from workers.actor import WorkerSpec
+    from workers.config import ModelConfig
+    from workers.ep_worker import ShardedWorker
+    from workers.model import Model
+    tiny = make_tiny_model(tmp_path / "tiny", 0, ())
+    cfg = ModelConfig.from_file(tiny / "config.json")
+    E = cfg.n_routed_experts
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    rng = np.random.default_rng(6)
+    owners = {l: rng.permutation(np.arange(E) % 2).astype(np.int32) for l in moe}
+    pinned = {l: (owners[l] == 0) & (rng.random(E) < 0.5) for l in moe}
+    pinned[moe[-1]][:] = False  # nothing of the last layer on the GPU
+    ws = [ShardedWorker(WorkerSpec(f"w{r}", str(tiny), "f32", 3, 64), kind, r, owners,
+                        pinned if r == 0 else None)
+          for r, kind in enumerate(("cuda", "cpu"))]
+    for w in ws:
+        w.connect(dict(enumerate(ws)), transport="local")
+    gpu = ws[0]
+    sh = gpu.experts.shard
+    assert isinstance(sh, SplitShard) and gpu.experts.device == "cuda"
+    assert not any(k.startswith("experts.") for layer in gpu.model.layers for k in layer.d)
+    for l in moe:
+        assert sorted(sh.dev.ids(l).tolist()) == np.flatnonzero(pinned[l]).tolist()
+        assert sorted(sh.host.ids(l).tolist()) == np.flatnonzero((owners[l] == 0) & ~pinned[l]).tolist()
+    per = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    n_pin = sum(int(p.sum()) for p in pinned.values())
+    c = gpu.stats()
+    assert c["expert_bytes_device"] == sh.dev.nbytes() == n_pin * per > 0
+    assert c["expert_pins_host"] == c["expert_pins"] - n_pin > 0
+    full = Model.load(tiny)
+    ref_pool = KVPool.for_model(cfg, "f32", 3, 64)
+    sr, sw = ref_pool.alloc_slot(), gpu.pool.alloc_slot()
+    toks = rng.integers(0, cfg.vocab_size, 13)
+    ref = full.forward(toks, np.full(13, sr), np.arange(13), ref_pool)
+    got = gpu.model.forward(toks, np.full(13, sw), np.arange(13), gpu.pool)
+    err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() < 3e-3, f"logits rel err {err.max():.3g}"
+    assert gpu.stats()["host_picks"] > 0
+    # rank 1 dies: rank 0 gains its experts, pinned as the group says
+    gained = {l: np.flatnonzero(owners[l] == 1) for l in moe}
+    new_pin = {l: pinned[l].copy() for l in moe}
+    for l in moe:
+        new_pin[l][gained[l][::2]] = True
+    gpu.reassign({l: np.zeros(E, np.int32) for l in moe}, (1,), new_pin)
+    for l in moe:
+        assert sorted(sh.dev.ids(l).tolist()) == np.flatnonzero(new_pin[l]).tolist()
+        assert sorted(sh.host.ids(l).tolist()) == np.flatnonzero(~new_pin[l]).tolist()
+    got = gpu.model.forward(toks, np.full(13, gpu.pool.alloc_slot()), np.arange(13), gpu.pool)
+    err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert err.max() < 3e-3, f"logits rel err after reassign {err.max():.3g}"

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from workers.expert_shard import ExpertShard, ShardedExperts
+from workers.expert_shard import ExpertShard, ShardedExperts, SplitShard
 from expert_data import activations, bits, hostile_routing, stacks
 from workers.moe import expert_sum, gated_mlp, grouped_expert_sum
 from workers.transport import LocalTransport
@@ -120,3 +120,123 @@ def test_cuda_model_refuses_a_host_expert_provider():
     host = ShardedExperts(0, {}, ExpertShard(4))
     with pytest.raises(TypeError, match="device 'cuda'.*'host'"):
         CudaModel.set_experts(types.SimpleNamespace(layers=[]), host)
+
+
+def split_pair(rng, E, H, I, layer=4):
+    """(one shard holding `held`, a SplitShard holding the same experts: `dev_ids` in its
+    device part, the rest in its host part; both parts numpy here, as the GPU test's device
+    part is cupy), gate/up/down of all E, held ids (shuffled)."""
+    gate, up, down = stacks(rng, E, H, I)
+    held = rng.permutation(E)[:E - 2]
+    one = ExpertShard(E)
+    one.put(layer, held, gate[held], up[held], down[held])
+    split = SplitShard(ExpertShard(E), ExpertShard(E))
+    pinned = rng.random(len(held)) < 0.5
+    pinned[:2] = [True, False]  # (both parts hold some)
+    split.add(layer, held, gate[held], up[held], down[held], pinned=pinned)
+    return one, split, (gate, up, down), held, pinned
+
+
+def assert_rows_close(got, ref):
+    """NaN in the same places; each row's finite values within 1e-5 of its largest |ref|
+    (rows differ by 1e7 in scale); a zero row exactly zero."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    for n, (g, r) in enumerate(zip(got, ref)):
+        fin = ~np.isnan(r)
+        scale = np.abs(r[fin]).max() if fin.any() else 0.0
+        assert np.abs(g[fin] - r[fin]).max(initial=0.0) <= 1e-5 * scale, n
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_shard_equals_one_shard_on_hostile_routing(seed):
+    """Experts split between a device part and a host part give the one shard's sum
+    (within the float32 rounding of another addition order): -1 picks anywhere, a token
+    with none, experts picked by many tokens, a token all on host and one all on device;
+    a NaN in a row that picks nothing stays out of every other row, and a NaN row that
+    picks host experts only is NaN in its own row only."""
+    rng = np.random.default_rng(40 + seed)
+    E, H, I, N, k = 14, 40 + seed, 24, 31, 4
+    one, split, _, held, pinned = split_pair(rng, E, H, I)
+    assert split.count() == one.count() and split.nbytes() == one.nbytes()
+    assert sorted(split.ids(4).tolist()) == sorted(held.tolist())
+    assert split.dev.ids(4).tolist() == held[pinned].tolist()
+    assert split.host.ids(4).tolist() == held[~pinned].tolist()
+    x = activations(rng, N, H)
+    idx, w = hostile_routing(rng, N, E, k)
+    idx = np.where(np.isin(idx, held), idx, -1)
+    host_ids, dev_ids = held[~pinned], held[pinned]
+    idx[0] = -1
+    idx[0, :min(k, len(host_ids))] = host_ids[:k]  # token 0 all on host
+    idx[3] = -1
+    idx[3, :min(k, len(dev_ids))] = dev_ids[:k]  # token 3 all on device
+    idx[5] = -1
+    idx[5, 1] = host_ids[0]  # token 5: one host pick
+    x[1] = np.nan  # token 1 picks nothing: its NaN must not leak
+    x[5] = np.nan  # token 5's NaN row reaches only its own output
+    ref = one.compute(4, x, idx, w)
+    got = split.compute(4, x, idx, w)
+    assert got.dtype == np.float32 and got.shape == (N, H)
+    assert not got[1].any() and np.isnan(got[5]).all()
+    assert_rows_close(got, ref)
+    assert np.isfinite(np.delete(got, [2, 5], axis=0)).all()
+    assert split.host_picks(4, idx) == int(np.isin(idx, host_ids).sum()) > 0
+    # an expert neither part holds is named, with what each part holds
+    lost = int(np.setdiff1d(np.arange(E), held)[0])
+    with pytest.raises(KeyError, match=rf"experts \[{lost}\] are not held here \(on the device"):
+        split.compute(4, x, np.where(np.arange(k) == 0, lost, idx), w)
+    assert not split.compute(7, x, np.full_like(idx, -1), w).any()  # a layer it holds none of
+
+
+def test_split_shard_add_places_gained_experts_by_pinned():
+    """reassign's add: gained pinned experts join the device part, the others the host
+    part, and the shard computes them all as one shard would."""
+    rng = np.random.default_rng(17)
+    E, H, I, N, k = 12, 32, 16, 21, 3
+    one, split, (gate, up, down), held, pinned = split_pair(rng, E, H, I)
+    gained = np.setdiff1d(np.arange(E), held)[::-1]
+    flags = np.array([False, True])
+    with pytest.raises(ValueError, match="pinned has shape"):
+        split.add(4, gained, gate[gained], up[gained], down[gained], pinned=flags[:1])
+    split.add(4, gained, gate[gained], up[gained], down[gained], pinned=flags)
+    one.add(4, gained, gate[gained], up[gained], down[gained])
+    assert split.dev.ids(4).tolist() == held[pinned].tolist() + [int(gained[1])]
+    assert split.host.ids(4).tolist() == held[~pinned].tolist() + [int(gained[0])]
+    x = activations(rng, N, H)
+    idx, w = hostile_routing(rng, N, E, k)
+    idx[0, :2] = gained
+    assert_rows_close(split.compute(4, x, idx, w), one.compute(4, x, idx, w))
+
+
+def test_sharded_experts_over_a_split_shard_serve_and_count_host_picks():
+    """ShardedExperts over a SplitShard (rank 0) and a host shard (rank 1): apply and a
+    peer's serve both give the full sum; host_picks counts the picks rank 0's host part
+    computed (its own and served), expert_pins / _device / _host what each holds."""
+    rng = np.random.default_rng(23)
+    E, H, I, N, k = 10, 24, 12, 27, 4
+    gate, up, down = stacks(rng, E, H, I)
+    owner = rng.permutation(np.arange(E) % 2).astype(np.int32)
+    mine0 = rng.permutation(np.flatnonzero(owner == 0))
+    pin0 = np.arange(len(mine0)) % 2 == 0
+    split = SplitShard(ExpertShard(E), ExpertShard(E))
+    split.add(1, mine0, gate[mine0], up[mine0], down[mine0], pinned=pin0)
+    mine1 = np.flatnonzero(owner == 1)
+    other = ExpertShard(E)
+    other.put(1, mine1, gate[mine1], up[mine1], down[mine1])
+    ranks = [ShardedExperts(0, {1: owner}, split), ShardedExperts(1, {1: owner}, other)]
+    for r, ex in enumerate(ranks):
+        ex.transport = LocalTransport({1 - r: types.SimpleNamespace(run_experts=ranks[1 - r].serve)})
+    x = activations(rng, N, H)
+    x[2] = 1.0
+    _, w = hostile_routing(rng, N, E, k)
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(N)])
+    full = expert_sum(x, idx, w, gate, up, down)
+    for ex in ranks:
+        np.testing.assert_allclose(ex.apply(1, x, idx, w), full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
+    on_host0 = np.isin(idx, mine0[~pin0])
+    c = [ex.counters() for ex in ranks]
+    # rank 0's host part: its own apply's host picks + those it served for rank 1's apply
+    assert c[0]["host_picks"] == 2 * int(on_host0.sum()) > 0
+    assert c[1]["host_picks"] == 2 * int(np.isin(idx, mine1).sum())  # all of a host shard's
+    assert (c[0]["expert_pins"], c[0]["expert_pins_host"] + c[0]["expert_pins_device"]) == (len(mine0),) * 2
+    assert c[0]["expert_bytes"] == len(mine0) * 3 * H * I * 4
+    assert (c[1]["expert_pins_host"], c[1]["expert_pins_device"], c[1]["expert_bytes_device"]) == (len(mine1), 0, 0)
