@@ -6,8 +6,9 @@ Placement and the expert split: cluster/placement.py.
 
 A step (`step_all`) submits every worker's batch at once. When some fail, the group pings
 every live worker (`alive`, served in the experts concurrency group even mid-step) to see
-who is gone. For each dead worker: its experts go to the survivors with the most room left
-(`reassign`: they read just those tensors from the checkpoint), its capacity drops to 0, and
+who is gone. For each dead worker: its experts go to the survivors with the most room left,
+pinned while they fit a survivor's room, else served from its host memory (`_move_experts`;
+`reassign`: they read just those tensors from the checkpoint), its capacity drops to 0, and
 its step (if it had one) is reported as dead, so the scheduler re-queues its sequences
 (their KV died with it: they re-prefill from the prompt). A survivor whose step failed part
 way (a peer vanished under it) reruns the very same batch: it rewrites the same KV
@@ -176,7 +177,8 @@ class ShardedGroup:
             return
         moved = self._move_experts(dead, live) if self.sharded else {}
         try:
-            ray.get([self.actors[i].reassign.remote(self.owners[i], tuple(dead)) for i in live])
+            ray.get([self.actors[i].reassign.remote(self.owners[i], tuple(dead), self.pinned[i])
+                     for i in live])
         except ray.exceptions.RayError as e:  # another one died meanwhile: next round finds it
             log.error("reassigning experts failed: %s", e)
         n = sum(len(v) for v in moved.values())
@@ -187,24 +189,33 @@ class ShardedGroup:
                     {self.names[w]: len(v) for w, v in moved.items()})
 
     def _move_experts(self, dead: list[int], live: list[int]) -> dict[int, list]:
-        """Orphaned experts to the survivors with the most expert room left."""
+        """Orphaned experts to the survivors with the most expert room left, pinned where
+        they still fit it. The group does this accounting, not the worker: it holds the
+        plan's rooms and the pinned table, and hands the worker the table to follow (as at
+        the start), so the plan stays the one record of what each device holds. A room is
+        what the plan gave the worker for experts (Placement.expert_room); a cuda worker's
+        is device memory, used by the experts it pins (the others are in host memory), a cpu
+        or metal worker's is the memory that holds all it owns."""
         from cluster.planner import assign_experts, deal_evenly
         owners = self.owners[0]
         orphans = np.array([(l, e) for l, o in owners.items() for e in np.flatnonzero(np.isin(o, dead))],
                            np.int32).reshape(-1, 2)
         if not len(orphans):
             return {}
-        held = {i: sum(int((o == i).sum()) for o in owners.values()) for i in live}
-        rooms = [self.room[i] - held[i] * self.expert_bytes for i in live]
+        used = {i: sum(int((self.pinned[i][l] if self.kinds[i] == "cuda" else o == i).sum())
+                       for l, o in owners.items()) for i in live}
+        rooms = [self.room[i] - used[i] * self.expert_bytes for i in live]
         a = deal_evenly(rooms, self.expert_bytes, orphans)  # (orphans come layer by layer)
         if a is None:
             a = assign_experts(rooms, self.expert_bytes, orphans)
         new = {l: o.copy() for l, o in owners.items()}
+        pinned = [{l: p.copy() for l, p in t.items()} for t in self.pinned]
         moved: dict[int, list] = {}
-        for (l, e), k in zip(orphans.tolist(), a.owner.tolist()):
+        for (l, e), k, pin in zip(orphans.tolist(), a.owner.tolist(), a.pinned.tolist()):
             new[l][e] = live[k]
+            pinned[live[k]][l][e] = pin
             moved.setdefault(live[k], []).append((l, e))
-        self.owners = [new] * len(self.actors)
+        self.owners, self.pinned = [new] * len(self.actors), pinned
         return moved
 
     # -- stats ----------------------------------------------------------------------------

@@ -76,6 +76,7 @@ def _group_of(ray, actors, names):
     g = ShardedGroup.__new__(ShardedGroup)
     g.sharded, g.metrics, g.actors, g.names = False, JobMetrics(enabled=False), actors, names
     g.capacities, g.owners, g.dead = [1] * len(actors), [{}] * len(actors), set()
+    g.pinned = [{}] * len(actors)
     g.deaths = g.recoveries = g.experts_moved = 0
     g.stats_every_s, g._stats_t, g.final_stats = 5.0, 0.0, []
     return g
@@ -112,7 +113,7 @@ def test_a_hung_worker_is_pinged_once_not_twice(ray):
         def alive(self):
             return 1
 
-        def reassign(self, owners, drop_peers=()):
+        def reassign(self, owners, drop_peers=(), pinned=None):
             return {}
 
     actors = [Stand.remote() for _ in range(3)]

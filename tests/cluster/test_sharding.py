@@ -323,3 +323,43 @@ def test_a_pinned_table_that_does_not_fit_the_owners_is_refused(tiny):
     with pytest.raises(ValueError, match=r"pinned: .*\[1, 2\]"):
         ShardedWorker(WorkerSpec("w", str(tiny), "f32", 1, 64), "cpu", 0, owners,
                       {min(owners): np.ones(8, bool)})
+
+
+def test_recovery_pins_gained_experts_only_while_the_device_room_lasts():
+    """Worker 2 dies owning 6 experts. Cuda worker 0 (room 4.5 experts) owns 5 and pins 3:
+    1.5 experts of device room left, so it pins one orphan and serves the rest it gains from
+    host memory; cpu worker 1 (room 6, owns 5) counts all it owns against its room. Every
+    orphan gets one live owner; the pinned table given to reassign says which fit."""
+    from cluster.ep_group import ShardedGroup
+    eb, E = 1000, 8
+    rng = np.random.default_rng(3)
+    layers = (1, 2)
+    owners = {l: np.zeros(E, np.int32) for l in layers}
+    cells = [(l, e) for l in layers for e in range(E)]
+    order = rng.permutation(len(cells))
+    who = np.array([0] * 5 + [1] * 5 + [2] * 6)
+    for c, r in zip(order, who):
+        l, e = cells[c]
+        owners[l][e] = r
+    pinned = [{l: np.zeros(E, bool) for l in layers} for _ in range(3)]
+    for c in order[:3]:  # worker 0 pins 3 of its 5
+        pinned[0][cells[c][0]][cells[c][1]] = True
+    for c in order[5:10]:
+        pinned[1][cells[c][0]][cells[c][1]] = True
+    g = ShardedGroup.__new__(ShardedGroup)
+    g.actors, g.kinds = [None] * 3, ["cuda", "cpu", "cuda"]
+    g.owners, g.pinned, g.expert_bytes = [owners] * 3, pinned, eb
+    g.room = [4 * eb + eb // 2, 6 * eb, 10 * eb]
+    moved = g._move_experts([2], [0, 1])
+    new = g.owners[0]
+    assert all(t is new for t in g.owners)
+    orphans = [cells[c] for c in order[10:]]
+    assert sorted(sum(moved.values(), [])) == sorted(orphans)
+    assert all(new[l][e] in (0, 1) for l, e in orphans)
+    gained0 = [(l, e) for l, e in orphans if new[l][e] == 0]
+    assert len(gained0) >= 2  # (so a host one is among them)
+    assert sum(bool(g.pinned[0][l][e]) for l, e in gained0) == 1  # one fits the 1.5 left
+    assert sum(int(p.sum()) for p in g.pinned[0].values()) * eb <= g.room[0]
+    for l, e in orphans:  # a pin only where the owner is
+        assert [bool(g.pinned[r][l][e]) for r in (0, 1) if r != new[l][e]] == [False]
+    assert sum(int(p.sum()) for p in pinned[0].values()) == 3  # (the old table is not edited)
