@@ -55,7 +55,7 @@ class ShardedGroup:
         self.capacities = [p.spec.slots for p in placements]
         self.kinds = [p.kind for p in placements]
         self.room = [p.expert_room for p in placements]
-        split = split_owners(cfg, self.room, sharded)
+        split = split_owners(cfg, self.room, self.kinds, sharded)
         self.owners, self.pinned, self.expert_bytes = split.owners, split.pinned, split.expert_bytes
         self.dead: set[int] = set()
         self.deaths = self.recoveries = self.experts_moved = 0
@@ -204,10 +204,11 @@ class ShardedGroup:
             return {}
         used = {i: sum(int((self.pinned[i][l] if self.kinds[i] == "cuda" else o == i).sum())
                        for l, o in owners.items()) for i in live}
-        rooms = [self.room[i] - used[i] * self.expert_bytes for i in live]
-        a = deal_evenly(rooms, self.expert_bytes, orphans)  # (orphans come layer by layer)
+        eb = [self.expert_bytes[i] for i in live]
+        rooms = [self.room[i] - used[i] * b for i, b in zip(live, eb)]
+        a = deal_evenly(rooms, eb, orphans)  # (orphans come layer by layer)
         if a is None:
-            a = assign_experts(rooms, self.expert_bytes, orphans)
+            a = assign_experts(rooms, eb, orphans)
         new = {l: o.copy() for l, o in owners.items()}
         pinned = [{l: p.copy() for l, p in t.items()} for t in self.pinned]
         moved: dict[int, list] = {}
@@ -280,7 +281,8 @@ def start_group(cfg: JobConfig):
 
 def local_group(cfg: JobConfig, placements: list[Placement], sharded: bool = True):
     from workers.ep_worker import ShardedWorker
-    split = split_owners(cfg, [p.expert_room for p in placements], sharded)
+    split = split_owners(cfg, [p.expert_room for p in placements], [p.kind for p in placements],
+                         sharded)
     workers = [ShardedWorker(p.spec, p.kind, r, split.owners[r], split.pinned[r])
                for r, p in enumerate(placements)]
     for w in workers:

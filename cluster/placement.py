@@ -6,11 +6,14 @@ its node's `resources` (split over the node's devices) or, when the fleet gives 
 num_gpus=1 only together with those (Ray also counts Apple GPUs as GPUs). Without a fleet,
 `workers.count` cpu workers with `workers.resources` / `label_selector` as given.
 
-With a fleet, the devices are planned by cluster.fleet.plan_fleet exactly as `kvfleet plan`
-plans them (the fleet's plan.shadow_floor_gb; the job's kv and max_context), with the
-experts in the format the job loads, workers.weights.EXPERT_FORMAT (bf16: the loader reads
-no int4 or fp8 experts), whatever the fleet's plan.experts says (a warning says when it
-differs); `kvfleet plan --experts bf16` prints that plan.
+With a fleet, the devices are planned by cluster.fleet.plan_fleet as `kvfleet plan` plans
+them (the fleet's plan.shadow_floor_gb; the job's kv and max_context), with the experts in
+the format the job loads, workers.weights.EXPERT_FORMAT (bf16: the loader reads no int4 or
+fp8 experts), whatever the fleet's plan.experts says (a warning says when it differs), and
+with `loaded=True`: a cuda device's dense weights and pinned experts count the float32 its
+CuPy worker uploads (twice bf16), so what the plan pins there fits the GPU (cpu and metal
+devices as `kvfleet plan` counts them). `kvfleet plan --experts bf16 --as-job` prints that
+plan.
 A job `slots` that is set (YAML, KVFLEET_SLOTS, --slots) overrides every node's `slots`, as
 `kvfleet plan --slots` does; left unset, each device gets its node's. `workers.count`, when
 set, must equal the number of fleet devices (the fleet gives one worker per device). A
@@ -46,7 +49,7 @@ class Placement:
     spec: WorkerSpec
     kind: str  # cuda | cpu | metal
     options: dict[str, Any]  # Ray actor options
-    expert_room: int  # bytes this worker may fill with routed experts (split weights)
+    expert_room: int  # bytes this worker may fill with routed experts (its plan's free + pinned)
 
 
 def fleet_placements(cfg: JobConfig) -> list[Placement]:
@@ -65,7 +68,8 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
         fleet = Fleet.from_file(w.fleet if w.fleet.is_absolute() else REPO_ROOT / w.fleet)
         _check_count(cfg, fleet)
         p = plan_fleet(fleet, Footprint.from_file(cfg.model), free_bytes,  # "auto": on the driver
-                       tier=cfg.kv, ctx=cfg.max_context, experts=EXPERT_FORMAT, slots=slots)
+                       tier=cfg.kv, ctx=cfg.max_context, experts=EXPERT_FORMAT, slots=slots,
+                       loaded=True)
     except FleetError as e:  # also a failed probe of an "auto" device
         raise JobConfigError(f"workers.fleet: {e}") from None
     except PlanError as e:
@@ -74,7 +78,7 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
     if fleet.plan.experts != EXPERT_FORMAT:
         log.warning("workers.fleet %s: plan.experts=%s, but the job loads %s experts (the checkpoint's; "
                     "workers/weights.py reads no %s experts): planned and split as %s, as `kvfleet plan "
-                    "--experts %s` shows", fleet.source, fleet.plan.experts, EXPERT_FORMAT,
+                    "--experts %s --as-job` shows", fleet.source, fleet.plan.experts, EXPERT_FORMAT,
                     fleet.plan.experts, EXPERT_FORMAT, EXPERT_FORMAT)
     out = []
     for dev, dp in zip(fleet.devices(), p.devices):
@@ -120,20 +124,21 @@ class ExpertSplit:
     """The routed experts of a job's workers, as the budget plan splits and pins them."""
     owners: list[dict[int, np.ndarray]]  # per worker, one shared table {MoE layer: int32[E] owner rank}
     pinned: list[dict[int, np.ndarray]]  # per worker {MoE layer: bool[E]}: owned there and pinned
-    expert_bytes: int  # one routed expert as the plan counts it
+    expert_bytes: list[int]  # per worker: one routed expert's bytes in its room (device_bytes)
 
 
-def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> ExpertSplit:
+def split_owners(cfg: JobConfig, rooms: list[int], kinds: list[str], sharded: bool) -> ExpertSplit:
     """The owner table (every routed expert of a loaded MoE layer has exactly one owner) and
     which of each worker's experts the plan pins: those that fit its room (the plan's
     `pinned`), the rest it serves from host memory (workers/ep_worker.py). Replicated: every
     worker owns every expert (its own rank everywhere) and pins as many as fit its room, in
-    the planner's order (spread over the layers)."""
+    the planner's order (spread over the layers). One expert takes the bytes the job's plan
+    counts on the worker's kind (cluster.planner.device_bytes, loaded: float32 on cuda)."""
     from cluster.footprint import Footprint
-    from cluster.planner import assign_experts, expert_order, split_experts
+    from cluster.planner import assign_experts, device_bytes, expert_order, split_experts
     fp = Footprint.from_file(cfg.model)
     E, layers = fp.config.n_routed_experts, [l for l in fp.moe_layers if l < fp.config.num_hidden_layers]
-    eb = fp.expert_bytes(EXPERT_FORMAT)
+    eb = [device_bytes(fp, kind, EXPERT_FORMAT, loaded=True)[1] for kind in kinds]
 
     def table(fill, experts, values):
         out = {l: np.full(E, fill) for l in layers}
@@ -143,10 +148,10 @@ def split_owners(cfg: JobConfig, rooms: list[int], sharded: bool) -> ExpertSplit
         return out
     if not sharded:
         order = expert_order(layers, E)
-        pins = [assign_experts([room], eb, order) for room in rooms]
+        pins = [assign_experts([room], b, order) for room, b in zip(rooms, eb)]
         return ExpertSplit([{l: np.full(E, r, np.int32) for l in layers} for r in range(len(rooms))],
                            [table(False, a.experts, a.pinned) for a in pins], eb)
-    a = split_experts(fp, rooms, EXPERT_FORMAT)
+    a = split_experts(fp, rooms, EXPERT_FORMAT, expert_bytes=eb)
     owners = {l: o.astype(np.int32) for l, o in table(-1, a.experts, a.owner).items()}
     pinned = [table(False, a.experts, a.pinned & (a.owner == r)) for r in range(len(rooms))]
     return ExpertSplit([owners] * len(rooms), pinned, eb)

@@ -15,12 +15,18 @@ shadow projection is what the dense weights, the pool and the pinned experts may
 Host memory of the kvfleet job (`host_bytes`, reported, never planned against): its workers
 hold what workers/weights.py loads, float32 (twice a bf16 checkpoint), in numpy: on a cpu
 or metal device every routed expert its worker owns in the split below (pinned or not:
-workers/expert_shard.py computes those on the host), and on a cpu device the dense weights
-too. A cuda worker keeps both in its GPU copy (its routed-expert shard, pinned or not, lives
-and runs on the device; the host keeps none once loaded), and a metal worker its dense
-weights in MLX's. The budget above counts weights in the checkpoint's format, as the C
-engine stores them, so a cpu device whose float32 host figure and KV exceed its budget gets
-a warning.
+workers/expert_shard.py computes those on the host), on a cuda device the experts its
+worker owns and the split does not pin (they are served from host memory; the pinned ones
+and the dense weights live on the GPU, none of them kept on the host once loaded), and on a
+cpu device the dense weights too (a metal worker keeps its dense weights in MLX's copy).
+The budget above counts weights in the checkpoint's format, as the C engine stores them, so
+a cpu device whose float32 host figure and KV exceed its budget gets a warning.
+
+The job's own plan (`loaded=True`: cluster/placement.py) counts a cuda device's dense
+weights and pinned experts as its CuPy worker holds them, the float32 arrays of
+workers/weights.py (loaded_bytes: twice bf16), so the experts it pins fit the device memory
+it really has; cpu and metal devices are counted as above. `kvfleet plan` keeps the
+checkpoint's format everywhere (the C engine's table).
 
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
@@ -34,6 +40,7 @@ Experts are placed by `split_experts` (also the runtime's expert-parallel split)
 even share of them fits every device, dealt out round-robin (the same expert compute on
 every worker, whatever their KV sizes); otherwise most used first (or spread evenly over
 the MoE layers when no counts are given), each into the worker with the biggest free budget.
+One expert's bytes may differ per device (the job's plan: float32 on cuda, bf16 elsewhere).
 """
 from __future__ import annotations
 
@@ -123,53 +130,64 @@ def expert_order(moe_layers: Sequence[int], n_experts: int, usage: np.ndarray | 
     return np.stack([layers[li.ravel()[order]], ei.ravel()[order].astype(np.int32)], axis=1)
 
 
-def assign_experts(capacities: Sequence[int], expert_bytes: int, experts: np.ndarray) -> ExpertAssignment:
+def _per_worker(expert_bytes: int | Sequence[int], n: int) -> list[int]:
+    """One expert's bytes on each of n workers (one int: the same on all)."""
+    eb = [int(expert_bytes)] * n if np.ndim(expert_bytes) == 0 else [int(b) for b in expert_bytes]
+    if not n or len(eb) != n or min(eb) <= 0:
+        raise PlanError(f"need expert_bytes > 0 for each of at least one worker, got {expert_bytes=}, "
+                        f"{n} workers")
+    return eb
+
+
+def assign_experts(capacities: Sequence[int], expert_bytes: int | Sequence[int],
+                   experts: np.ndarray) -> ExpertAssignment:
     """Give every expert, in the given order, to the worker with the most free bytes left.
 
-    An expert is pinned when that worker still has `expert_bytes` free; once none has, the
-    rest keep going to the emptiest worker (its budget goes negative: it serves them from
-    host memory), so every expert has exactly one owner. Ties go to the lower worker index.
+    An expert is pinned when that worker still has its `expert_bytes` (one for all, or one
+    per worker) free; once none has, the rest keep going to the emptiest worker (its budget
+    goes negative: it serves them from host memory), so every expert has exactly one owner.
+    Ties go to the lower worker index.
     """
-    if expert_bytes <= 0 or not len(capacities):
-        raise PlanError(f"need expert_bytes > 0 and at least one worker, got {expert_bytes=}, "
-                        f"{len(capacities)} workers")
+    eb = _per_worker(expert_bytes, len(capacities))
     heap = [(-int(c), w) for w, c in enumerate(capacities)]
     heapq.heapify(heap)
     n = len(experts)
     owner, pinned = np.empty(n, np.int32), np.zeros(n, bool)
     for i in range(n):  # O(N log W): tens of thousands of experts, a few ms
         neg, w = heap[0]
-        owner[i], pinned[i] = w, -neg >= expert_bytes
-        heapq.heapreplace(heap, (neg + expert_bytes, w))
+        owner[i], pinned[i] = w, -neg >= eb[w]
+        heapq.heapreplace(heap, (neg + eb[w], w))
     return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, pinned)
 
 
-def deal_evenly(capacities: Sequence[int], expert_bytes: int, experts: np.ndarray) -> ExpertAssignment | None:
+def deal_evenly(capacities: Sequence[int], expert_bytes: int | Sequence[int],
+                experts: np.ndarray) -> ExpertAssignment | None:
     """Deal `experts` out round-robin, each worker its share n // W or, for the n % W workers
     with the most room (ties: lower index), one more, when every worker's share fits its
     capacity: the same expert compute on every worker whatever their KV sizes (without this,
     tiny experts would all go to the one worker with the least KV). None when a share does
     not fit; then `assign_experts` pins most room first."""
     w_n, n = len(capacities), len(experts)
-    if expert_bytes <= 0 or not w_n:
-        raise PlanError(f"need expert_bytes > 0 and at least one worker, got {expert_bytes=}, {w_n} workers")
+    eb = _per_worker(expert_bytes, w_n)
     turn = sorted(range(w_n), key=lambda w: -int(capacities[w]))  # (stable: ties keep index order)
     q, r = divmod(n, w_n)
-    if any(int(capacities[w]) < (q + (i < r)) * expert_bytes for i, w in enumerate(turn)):
+    if any(int(capacities[w]) < (q + (i < r)) * eb[w] for i, w in enumerate(turn)):
         return None
     owner = np.asarray(turn, np.int32)[np.arange(n) % w_n]
     return ExpertAssignment(np.asarray(experts, np.int32).reshape(n, 2), owner, np.ones(n, bool), even=True)
 
 
 def split_experts(fp: Footprint, capacities: Sequence[int], experts: str | WeightFormat = "bf16",
-                  usage: np.ndarray | None = None) -> ExpertAssignment:
+                  usage: np.ndarray | None = None,
+                  expert_bytes: Sequence[int] | None = None) -> ExpertAssignment:
     """Expert-parallel split, the same for the plan and the runtime: every routed (layer,
     expert) of `fp` to exactly one of the workers, whose free bytes for experts are
     `capacities` (e.g. DevicePlan free_bytes + pinned_bytes of a plan). Dealt out evenly
     when an even share fits every worker (`deal_evenly`), else most used first into the
-    biggest free budget (`assign_experts`)."""
+    biggest free budget (`assign_experts`). expert_bytes: one expert's bytes on each worker
+    (device_bytes); None: fp.expert_bytes(experts) on all."""
     order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
-    eb = fp.expert_bytes(experts)
+    eb = fp.expert_bytes(experts) if expert_bytes is None else list(expert_bytes)
     # dealt evenly every expert is pinned, so the order only decides who serves what: layer by
     # layer, so that every worker gets a share of every MoE layer, as vLLM's and SGLang's EP
     # splits do (dealing `order`, which cycles through the layers, gave each worker whole
@@ -261,6 +279,17 @@ class Plan:
         }
 
 
+def device_bytes(fp: Footprint, kind: str, experts: str | WeightFormat = "bf16",
+                 loaded: bool = False) -> tuple[int, int]:
+    """(dense weights, one routed expert) as a plan counts them on a device of `kind`: in
+    the checkpoint's format (`experts` for the experts), as the C engine stores them; with
+    `loaded` on a cuda device, what a kvfleet job's CuPy worker holds there: the float32
+    arrays of workers/weights.py (loaded_bytes), uploaded as they are."""
+    if loaded and kind == "cuda":
+        return loaded_bytes(fp.config)
+    return fp.dense_bytes, fp.expert_bytes(experts)
+
+
 def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int) -> tuple[int, int, int]:
     """(kv, index, shadow) bytes per context token on this device, all its slots."""
     shadow = fp.kv_bytes_per_token(SHADOW_TIER) if dev.has_shadow(floor) else 0
@@ -269,9 +298,10 @@ def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int) -> tupl
 
 
 def max_context(fp: Footprint, dev: DeviceBudget, tier: str | Tier,
-                shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB)) -> int:
-    """Longest context (whole blocks) every slot of `dev` could have under `tier`, no experts pinned."""
-    room = dev.capacity - fp.dense_bytes
+                shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB), dense: int | None = None) -> int:
+    """Longest context (whole blocks) every slot of `dev` could have under `tier`, no experts
+    pinned; dense: the dense weights' bytes there (default fp.dense_bytes)."""
+    room = dev.capacity - (fp.dense_bytes if dense is None else dense)
     per = sum(_per_token(fp, dev, get_tier(tier), shadow_floor_bytes))
     return 0 if room <= 0 else (room // per) // BLOCK * BLOCK
 
@@ -279,39 +309,43 @@ def max_context(fp: Footprint, dev: DeviceBudget, tier: str | Tier,
 def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ctx: int,
          experts: str | WeightFormat = "bf16", usage: np.ndarray | None = None,
          shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB),
-         report_tiers: Sequence[str] = ("f32", "kv8", "tq4")) -> Plan:
-    """Plan every device; raise PlanError when a device cannot hold its dense weights and KV."""
+         report_tiers: Sequence[str] = ("f32", "kv8", "tq4"), loaded: bool = False) -> Plan:
+    """Plan every device; raise PlanError when a device cannot hold its dense weights and KV.
+    loaded: count cuda devices as a kvfleet job's workers hold them (device_bytes; see the
+    module docstring)."""
     tier, fmt = get_tier(tier), get_format(experts)
     if ctx < 1 or not devices:
         raise PlanError(f"need ctx >= 1 and at least one device, got {ctx=}, {len(devices)} devices")
     if len({d.name for d in devices}) != len(devices):
         raise PlanError(f"device names must be unique: {[d.name for d in devices]}")
-    dense, eb = fp.dense_bytes, fp.expert_bytes(fmt)
+    eb = fp.expert_bytes(fmt)
+    sizes = [device_bytes(fp, dev.kind, fmt, loaded) for dev in devices]  # (dense, expert) each
     fixed, rooms = [], []
     held = -(-ctx // BLOCK) * BLOCK  # (KVPool.for_model gives each slot ceil(ctx / BLOCK) blocks)
-    for dev in devices:
+    for dev, (dense, _) in zip(devices, sizes):
         kv, idx, sh = (held * b for b in _per_token(fp, dev, tier, shadow_floor_bytes))
         if dense > dev.capacity:
             raise PlanError(f"device {dev.name}: dense weights need {gb(dense)} but its budget is "
                             f"{gb(dev.capacity)} ({gb(dev.memory_bytes)} - reserve {gb(dev.reserve_bytes)})")
         if dense + kv + idx + sh > dev.capacity:
-            longest = {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers}
+            longest = {t: max_context(fp, dev, t, shadow_floor_bytes, dense) for t in report_tiers}
             raise PlanError(
                 f"device {dev.name}: dense weights {gb(dense)} + {tier.name} KV pool {gb(kv)} + indexer "
                 f"{gb(idx)} + shadow {gb(sh)} for {dev.slots} slot(s) x {ctx} tokens exceed its budget "
                 f"{gb(dev.capacity)}; longest context per tier: {longest}")
         fixed.append((kv, idx, sh))
         rooms.append(dev.capacity - dense - kv - idx - sh)
-    a = split_experts(fp, rooms, fmt, usage)
+    a = split_experts(fp, rooms, fmt, usage, expert_bytes=[e for _, e in sizes])
     host = a.experts[~a.pinned]
     dense_f32, expert_f32 = loaded_bytes(fp.config)
-    loaded = a.experts[:, 0] < fp.config.num_hidden_layers  # (MTP layers' experts: not loaded)
+    run = a.experts[:, 0] < fp.config.num_hidden_layers  # (MTP layers' experts: not loaded)
+    on_host = [run & (a.owner == w) & (~a.pinned if dev.kind == "cuda" else True)
+               for w, dev in enumerate(devices)]  # the routed experts each worker holds in RAM
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
-                   int((a.pinned & (a.owner == w)).sum()) * eb, len(host),
-                   {t: max_context(fp, dev, t, shadow_floor_bytes) for t in report_tiers},
-                   (0 if dev.kind == "cuda" else int((loaded & (a.owner == w)).sum()) * expert_f32)
-                   + (dense_f32 if dev.kind == "cpu" else 0))
-        for w, (dev, (kv, idx, sh)) in enumerate(zip(devices, fixed)))
+                   int((a.pinned & (a.owner == w)).sum()) * e, len(host),
+                   {t: max_context(fp, dev, t, shadow_floor_bytes, dense) for t in report_tiers},
+                   int(on_host[w].sum()) * expert_f32 + (dense_f32 if dev.kind == "cpu" else 0))
+        for w, (dev, (dense, e), (kv, idx, sh)) in enumerate(zip(devices, sizes, fixed)))
     return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even)
 

@@ -1,10 +1,15 @@
 """`kvfleet plan`: what each device of a fleet holds (dense, KV, shadow, pinned experts).
 
-    kvfleet plan --config configs/fleets/h200x2.yaml [--model-config FILE] [--json]
+    kvfleet plan --config configs/fleets/h200x2.yaml [--model-config FILE] [--as-job] [--json]
     kvfleet plan --model-config configs/models/glm-5.2.json --ctx 262144 [--slots N] [--kv kv8] --json
 
 Without a fleet file it prints the KV pool of `slots` slots at `ctx` tokens for the chosen
 tier and, for comparison, every tier.
+
+A fleet plan counts weights in the checkpoint's format (or `--experts`), as the C engine
+stores them. `--as-job` plans the fleet as `kvfleet generate` does instead (its placement,
+cluster/placement.py): bf16 experts, and on cuda devices the dense weights and pinned
+experts as the float32 arrays its CuPy workers upload (cluster/planner.py, loaded).
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=int, help="slots per device (overrides every node's `slots`)")
     p.add_argument("--kv", choices=sorted(TIERS), help="KV tier (default: the fleet's plan.kv, else f32)")
     p.add_argument("--experts", choices=sorted(WEIGHT_FORMATS), help="routed expert weight format")
+    p.add_argument("--as-job", action="store_true",
+                   help=f"plan as kvfleet generate runs the fleet: {EXPERT_FORMAT} experts, a cuda "
+                        "device's dense weights and pinned experts as float32 (what its workers upload)")
     p.add_argument("--usage", type=Path, help="expert usage counts [MoE layers, experts] (.npy or .json)")
     p.add_argument("--free-gb", action="append", default=[], metavar="DEVICE=GB",
                    help="free memory of an 'auto' device instead of measuring it (repeatable)")
@@ -81,7 +89,8 @@ def _free(specs: list[str]) -> dict[str, int]:
     return out
 
 
-FLEET_ONLY = (("usage", "--usage"), ("experts", "--experts"), ("free_gb", "--free-gb"))
+FLEET_ONLY = (("usage", "--usage"), ("experts", "--experts"), ("free_gb", "--free-gb"),
+              ("as_job", "--as-job"))
 
 
 def _job_config_hint(path: Path) -> str | None:
@@ -108,7 +117,7 @@ def _job_config_hint(path: Path) -> str | None:
     fleet = cfg.workers.fleet if cfg.workers.fleet.is_absolute() else REPO_ROOT / cfg.workers.fleet
     return (head + f". Its fleet, planned as the job plans it: kvfleet plan --config "
             f"{_shown(fleet)} --model-config {_shown(cfg.model / 'config.json')} --ctx "
-            f"{cfg.max_context} --kv {cfg.kv} --experts {EXPERT_FORMAT}"
+            f"{cfg.max_context} --kv {cfg.kv} --experts {EXPERT_FORMAT} --as-job"
             + (f" --slots {cfg.slots}" if "slots" in data else ""))
 
 
@@ -131,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
                              f"pass the fleet file with --config, or leave "
                              f"{'it' if one else 'them'} out")
         return _pool_only(args)
+    if args.as_job and args.experts not in (None, EXPERT_FORMAT):
+        raise UsageError(f"--as-job plans the {EXPERT_FORMAT} experts kvfleet generate loads; "
+                         f"--experts {args.experts} is not what it runs: drop one of them")
+    experts = EXPERT_FORMAT if args.as_job else args.experts
     try:
         try:
             fleet = Fleet.from_file(args.config)
@@ -153,17 +166,19 @@ def run(args: argparse.Namespace) -> int:
             probed.append(spec.name)
             return free_bytes(spec)  # read on this machine, also for a device of another node
 
-        p = plan_fleet(fleet, fp, measure, tier=args.kv, ctx=args.ctx, experts=args.experts,
-                       slots=args.slots, usage=_usage(args.usage))
+        p = plan_fleet(fleet, fp, measure, tier=args.kv, ctx=args.ctx, experts=experts,
+                       slots=args.slots, usage=_usage(args.usage), loaded=args.as_job)
     except (FleetError, PlanError) as e:  # a failed probe is a FleetError naming file and device
         raise UsageError(str(e)) from None
     out = p.to_dict()
     out["measured_here"] = probed
+    if args.as_job:
+        out["as_job"] = True
     if p.expert_format.name != EXPERT_FORMAT:  # a plan for another runtime; say what the job does
         out["warnings"].append(
             f"experts sized as {p.expert_format.name}; kvfleet generate loads {EXPERT_FORMAT} experts "
             f"(workers/weights.py reads no {p.expert_format.name} ones) and plans and splits them as "
-            f"{EXPERT_FORMAT}: add --experts {EXPERT_FORMAT} for the plan it runs")
+            f"{EXPERT_FORMAT}: add --experts {EXPERT_FORMAT} --as-job for the plan it runs")
     print(json.dumps(out, indent=2) if args.json else _table(out))
     return 0
 
@@ -235,8 +250,11 @@ def _table(d: dict) -> str:
                  f"{d['host_experts']} served from host memory{how}")
     per = ", ".join(f"{v['name']} {size(v['host_bytes'])}" for v in d["devices"])
     lines.append(f"host memory of a kvfleet job: {size(d['host_bytes'])} of {d['host_dtype']} weights "
-                 f"(its loader's dtype; routed experts on cpu and metal devices, dense weights "
-                 f"on cpu devices): {per}")
+                 f"(its loader's dtype; routed experts on cpu and metal devices and those a cuda "
+                 f"device does not pin, dense weights on cpu devices): {per}")
+    if d.get("as_job"):
+        lines.append(f"sized as kvfleet generate runs it (--as-job): cuda devices' dense weights "
+                     f"and pinned experts as {d['host_dtype']}, what their workers upload")
     if d["measured_here"]:
         lines.append(f"free memory of 'auto' devices measured on this machine: {', '.join(d['measured_here'])}")
     lines += [f"warning: {w}" for w in d["warnings"]]

@@ -34,13 +34,27 @@ def job(env=None, **over):
 
 
 def test_job_plans_the_fleet_as_kvfleet_plan_does(tmp_path, capsys):
-    """plan.shadow_floor_gb reaches the job: the same fleet fits in both or in neither."""
+    """plan.shadow_floor_gb reaches the job: the same fleet fits in both or in neither. The
+    job's room for experts is `kvfleet plan --as-job`'s: on a cuda device the float32 dense
+    weights its CuPy worker uploads (twice the bf16 the plain plan counts, as the C engine
+    stores them, whose output is unchanged)."""
+    from cluster.footprint import Footprint
+    from workers.weights import loaded_bytes
     off = write(tmp_path / "off.yaml", BIG_CTX.format(card=CARD, floor=", shadow_floor_gb: 1000"))
-    assert main(["plan", "--config", str(off), "--json"]) == 0
+    assert main(["plan", "--config", str(off), "--json", "--as-job"]) == 0
     d = json.loads(capsys.readouterr().out)["devices"][0]
     assert d["shadow_bytes"] == 0
     [p] = fleet_placements(job(model=str(CARD), kv="kv8", max_context=1048576, workers={"fleet": str(off)}))
     assert p.expert_room == d["free_bytes"] + d["pinned_expert_bytes"] > 0
+    fp = Footprint.from_file(CARD)
+    dense32, expert32 = loaded_bytes(fp.config)
+    assert d["dense_bytes"] == dense32 and d["pinned_expert_bytes"] == d["pinned_experts"] * expert32
+    assert main(["plan", "--config", str(off), "--json", "--experts", "bf16"]) == 0
+    c = json.loads(capsys.readouterr().out)["devices"][0]  # the C engine's sizes: bf16
+    assert c["dense_bytes"] == fp.dense_bytes and c["pinned_expert_bytes"] == c["pinned_experts"] * fp.expert_bytes("bf16")
+    assert c["pinned_experts"] > d["pinned_experts"] and expert32 == 2 * fp.expert_bytes("bf16")
+    assert main(["plan", "--config", str(off), "--as-job", "--experts", "int4"]) == 2
+    assert "--as-job plans the bf16 experts" in capsys.readouterr().err
     on = write(tmp_path / "on.yaml", BIG_CTX.format(card=CARD, floor=""))  # the 32 GB default floor
     assert main(["plan", "--config", str(on)]) == 2
     assert "shadow 48.38 GB" in capsys.readouterr().err
@@ -129,7 +143,7 @@ def test_int4_fleet_job_and_printed_plan_split_experts_alike(tmp_path, capsys, c
     cfg = job(model=str(mini), kv="f32", max_context=64, workers={"fleet": str(fleet), "experts": "sharded"})
     pl = fleet_placements(cfg)
     assert [abs(p.expert_room - r) < 1000 for p, r in zip(pl, (small, small, big))] == [True] * 3
-    owners = split_owners(cfg, [p.expert_room for p in pl], True).owners[0]
+    owners = split_owners(cfg, [p.expert_room for p in pl], [p.kind for p in pl], True).owners[0]
     job_counts = [{str(l): int((o == w).sum()) for l, o in owners.items()} for w in range(3)]
     assert [sum(c.values()) for c in job_counts] == [0, 0, 24]  # bf16: 8 do not fit a or b
     # the plan command that `kvfleet plan --config JOB` points at prints exactly that split

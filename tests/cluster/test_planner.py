@@ -11,7 +11,7 @@ import pytest
 
 from cluster.cli import main
 from cluster.footprint import WEIGHT_FORMATS, Footprint
-from cluster.planner import (BLOCK, GB, DeviceBudget, PlanError, assign_experts, expert_order,
+from cluster.planner import (BLOCK, GB, DeviceBudget, PlanError, assign_experts, device_bytes, expert_order,
                              max_context, plan, split_experts)
 
 CARDS = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -351,36 +351,53 @@ def test_even_share_with_a_remainder_goes_to_the_roomiest_workers():
     assert not a.even and np.bincount(a.owner, minlength=5).tolist() == [24, 0, 0, 0, 0]
 
 
-def test_host_bytes_equal_the_loaded_arrays_of_each_worker():
+@pytest.mark.parametrize("loaded", [False, True])
+def test_host_bytes_equal_the_loaded_arrays_of_each_worker(loaded):
     """The plan's host figure is what a kvfleet job's workers really hold: the float32 arrays
     of workers/weights.py (twice the bf16 checkpoint the budget counts), every routed expert a
-    cpu or metal worker owns, and on a cpu device the dense weights; a cuda worker keeps its
-    experts on the GPU (workers/expert_shard.py), none on the host. Measured by loading each
-    worker's shard of kvfleet-mini exactly as workers/ep_worker.py does."""
+    cpu or metal worker owns, and on a cpu device the dense weights; a cuda worker keeps the
+    experts the plan pins on its GPU and reads the others into host memory (read_experts, as
+    workers/ep_worker.py does). With `loaded` (the job's own plan) a cuda device's pinned
+    bytes are the float32 stacks its CudaModel uploads, and its dense weights float32 too;
+    without, the checkpoint's bf16 (kvfleet plan). Measured by loading each worker's shard of
+    kvfleet-mini as the workers do."""
+    from workers.expert_shard import read_experts
     from workers.weights import load_params
     mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini"
     fp = Footprint.from_file(mini)
-    # uneven budgets, so the split is most-room-first and the shards differ in size
-    room = fp.dense_bytes + 64 * BLOCK * fp.kv_bytes_per_token("kv8")
-    devs = [DeviceBudget("c0", "cpu", room + 13 * fp.expert_bytes("bf16")),
-            DeviceBudget("g0", "cuda", room + 7 * fp.expert_bytes("bf16")),
-            DeviceBudget("c1", "cpu", room + 2 * fp.expert_bytes("bf16"))]
-    p = plan(fp, devs, tier="kv8", ctx=64 * BLOCK, experts="bf16")
+    kv = 64 * BLOCK * fp.kv_bytes_per_token("kv8")
+    # uneven budgets, so the split is most-room-first, the shards differ in size and the cuda
+    # device owns experts it does not pin
+    budget = lambda kind, n: (lambda d, e: d + kv + int(n * e))(*device_bytes(fp, kind, "bf16", loaded))  # noqa: E731
+    devs = [DeviceBudget("c0", "cpu", budget("cpu", 13)), DeviceBudget("g0", "cuda", budget("cuda", 3.5)),
+            DeviceBudget("c1", "cpu", budget("cpu", 2))]
+    p = plan(fp, devs, tier="kv8", ctx=64 * BLOCK, experts="bf16", loaded=loaded)
     assert not p.experts_even and len(p.host) > 0  # some experts left to the host as well
-    a = split_experts(fp, [d.free_bytes + d.pinned_bytes for d in p.devices], "bf16")
+    sizes = [device_bytes(fp, d.kind, "bf16", loaded)[1] for d in devs]
+    a = split_experts(fp, [d.free_bytes + d.pinned_bytes for d in p.devices], "bf16", expert_bytes=sizes)
     d = p.to_dict()
     assert d["host_dtype"] == "float32"
     total = 0
     for w, (dp, row) in enumerate(zip(p.devices, d["devices"])):
-        mine = {l: a.experts[(a.owner == w) & (a.experts[:, 0] == l), 1] for l in fp.moe_layers
-                if l < fp.config.num_hidden_layers}
-        params = load_params(mini, fp.config, experts=mine)
         kind = dp.device.kind
-        assert sum(len(v) for v in mine.values()) > 0  # (so a cuda device's 0 says something)
-        held = sum(v.nbytes for k, v in params.items()
-                   if (".experts." in k and kind != "cuda") or kind == "cpu")
+        owned = lambda keep: {l: a.experts[keep & (a.owner == w) & (a.experts[:, 0] == l), 1]  # noqa: E731
+                              for l in fp.moe_layers if l < fp.config.num_hidden_layers}
+        mine = owned(np.ones(len(a.owner), bool))
+        assert sum(len(v) for v in mine.values()) > 0
+        if kind == "cuda":
+            pinned, rest = owned(a.pinned), owned(~a.pinned)
+            held = sum(x.nbytes for st in read_experts(mini, fp.config, rest).values() for x in st)
+            on_gpu = load_params(mini, fp.config, experts=pinned)  # what CudaModel uploads
+            gpu_experts = sum(v.nbytes for k, v in on_gpu.items() if ".experts." in k)
+            assert dp.pinned_bytes == (gpu_experts if loaded else gpu_experts // 2) > 0
+            gpu_dense = sum(v.nbytes for k, v in on_gpu.items() if ".experts." not in k)
+            assert dp.dense_bytes == (gpu_dense if loaded else fp.dense_bytes)
+            assert held > 0  # (it owns experts it does not pin)
+        else:
+            params = load_params(mini, fp.config, experts=mine)
+            held = sum(v.nbytes for k, v in params.items() if ".experts." in k or kind == "cpu")
+            assert dp.dense_bytes == fp.dense_bytes
         assert dp.host_bytes == row["host_bytes"] == held, dp.device.name
-        assert (held > 0) == (kind != "cuda"), dp.device.name
         total += held
     assert d["host_bytes"] == total
     # against the bf16 the budget counts: a cpu device holds twice its dense weights, less

@@ -20,7 +20,7 @@ from workers import ep_worker
 from workers.ep_worker import ShardedWorker
 from workers.model import Model
 from workers.safetensors_io import TensorRef
-from workers.weights import load_params
+from workers.weights import load_params, loaded_bytes
 
 N = 14
 
@@ -254,7 +254,7 @@ def test_placements_by_kind_resource_and_admission_by_capacity(tiny, tmp_path):
 def test_the_plans_pinned_flags_reach_each_worker(tiny, monkeypatch):
     """Uneven rooms (no even share fits: most room first, 6 of 16 experts left unpinned) for
     two cuda workers and a cpu one: split_owners carries the planner's pinned flag of every
-    expert to its owner, a cuda worker loads only its pinned experts onto the model (the
+    expert to its owner (a cuda worker's room counted in float32 experts, what it uploads), a cuda worker loads only its pinned experts onto the model (the
     device; here load_cuda is watched and builds the numpy model, as no GPU is here) and
     reads the others into host memory, a cpu worker loads all of its own; each holds exactly
     its share and the group's logits are the full model's."""
@@ -265,11 +265,14 @@ def test_the_plans_pinned_flags_reach_each_worker(tiny, monkeypatch):
     cfg = config(tiny, workers={"runtime": "inprocess", "experts": "sharded"})
     mcfg = ModelConfig.from_file(tiny / "config.json")
     fp = Footprint.from_file(tiny / "config.json")
-    eb = fp.expert_bytes("bf16")
-    rooms, kinds = [5 * eb + eb // 2, 2 * eb, 3 * eb], ("cuda", "cuda", "cpu")
-    split = split_owners(cfg, rooms, True)
-    a = split_experts(fp, rooms, "bf16")
+    eb, ef = fp.expert_bytes("bf16"), loaded_bytes(mcfg)[1]
+    assert ef == 2 * eb
+    rooms, kinds = [5 * ef + ef // 2, 2 * ef, 3 * eb], ("cuda", "cuda", "cpu")
+    split = split_owners(cfg, rooms, list(kinds), True)
+    assert split.expert_bytes == [ef, ef, eb]
+    a = split_experts(fp, rooms, "bf16", expert_bytes=[ef, ef, eb])
     assert not a.even and (~a.pinned).sum() == 6
+    assert [sum(int(p.sum()) for p in split.pinned[r].values()) for r in range(3)] == [5, 2, 3]
     for (l, e), o, p in zip(a.experts.tolist(), a.owner.tolist(), a.pinned.tolist()):
         assert split.owners[0][l][e] == o
         assert [bool(split.pinned[r][l][e]) for r in range(3)] == [r == o and p for r in range(3)]
@@ -348,7 +351,7 @@ def test_recovery_pins_gained_experts_only_while_the_device_room_lasts():
         pinned[1][cells[c][0]][cells[c][1]] = True
     g = ShardedGroup.__new__(ShardedGroup)
     g.actors, g.kinds = [None] * 3, ["cuda", "cpu", "cuda"]
-    g.owners, g.pinned, g.expert_bytes = [owners] * 3, pinned, eb
+    g.owners, g.pinned, g.expert_bytes = [owners] * 3, pinned, [eb] * 3
     g.room = [4 * eb + eb // 2, 6 * eb, 10 * eb]
     moved = g._move_experts([2], [0, 1])
     new = g.owners[0]
