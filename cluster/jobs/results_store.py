@@ -46,7 +46,11 @@ class ResultStore:
         if self.out.is_dir():  # (read back as an empty dataset: "missing every column")
             raise JobConfigError(f"--out {self.out}: is a directory; give the results file to "
                                  f"write, e.g. {self.out / 'results.parquet'}")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # (e.g. a regular file on the way)
+            raise JobConfigError(f"--out {self.out}: cannot create its folder {self.out.parent} "
+                                 f"({e.strerror})") from None
         for stale in self.parts.glob("*.tmp") if self.parts.exists() else ():
             stale.unlink()  # a part that was being written when a previous run died
         self._next = 1 + max((int(m.group(1)) for p in self._part_files()

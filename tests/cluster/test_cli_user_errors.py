@@ -55,6 +55,17 @@ def test_generate_stats_that_cannot_be_written_names_the_flag(tiny, tmp_path, ca
     assert f"the results are in {out}" in err and out.exists()
 
 
+def test_generate_out_whose_folder_cannot_be_made(tiny, tmp_path, capsys):
+    """An --out under a regular file: a FileExistsError traceback from ResultStore's mkdir."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = blocker / "sub" / "out.parquet"
+    code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(out)))
+    assert code == 2
+    assert f"--out {out}: cannot create its folder {blocker / 'sub'}" in err
+    assert blocker.read_text() == "x"
+
+
 def test_generate_kv_cache_dir_that_is_a_file(tiny, tmp_path, capsys):
     """A worker failed to create it: a FileExistsError traceback from kvstore/slots.py."""
     f = tmp_path / "cache"
