@@ -35,6 +35,8 @@ def read_ids(path: Path, vocab: int) -> list[int]:
         ids = json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"--tokens {path}: no such file") from None
+    except OSError as e:  # a directory, no permission
+        raise UsageError(f"--tokens {path}: cannot read it ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"--tokens {path}: not valid JSON ({e})") from None
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -66,6 +68,11 @@ def run(args) -> int:
         raise UsageError(f"--model {args.model}: no such directory")
     if args.out.is_dir():
         raise UsageError(f"--out {args.out}: is a directory; give the .npy file to write")
+    try:  # (before the weights load and the forward run)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create its folder {args.out.parent} "
+                         f"({e.strerror})") from None
     try:  # every input is checked before the weights load (the slow part)
         vocab = ModelConfig.from_file(args.model / "config.json").vocab_size
         ids = read_ids(args.tokens, vocab)
@@ -73,7 +80,6 @@ def run(args) -> int:
     except (ConfigError, WeightsError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
     logits = score(model, ids, args.kv, args.mode)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "wb") as f:  # a path would get ".npy" appended when it lacks one
         np.save(f, logits)
     print(f"wrote {args.out}: logits {list(logits.shape)} float32 ({args.mode}, kv {args.kv})")

@@ -87,6 +87,31 @@ def test_generate_empty_prompts_file_warns(tiny, tmp_path, caplog):
     assert f"--prompts {empty}: no requests in it" in caplog.text
 
 
+# -- score --------------------------------------------------------------------------------
+def test_score_tokens_that_is_a_directory(tiny, tmp_path, capsys):
+    """An IsADirectoryError traceback (only a missing file was caught)."""
+    d = tmp_path / "ids"
+    d.mkdir()
+    code, err = run_cli(capsys, "score", "--model", str(tiny), "--tokens", str(d),
+                        "--out", str(tmp_path / "l.npy"))
+    assert code == 2 and f"--tokens {d}: cannot read it" in err
+
+
+def test_score_out_whose_folder_cannot_be_made_is_refused_before_the_forward(tiny, tmp_path,
+                                                                            capsys, monkeypatch):
+    """A FileExistsError traceback, after the weights had loaded and the forward had run."""
+    from workers.model import Model
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([3, 1, 4, 1, 5]))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = blocker / "l.npy"
+    monkeypatch.setattr(Model, "load", lambda *a, **k: pytest.fail("loaded the weights"))
+    code, err = run_cli(capsys, "score", "--model", str(tiny), "--tokens", str(ids),
+                        "--out", str(out))
+    assert code == 2 and f"--out {out}: cannot create its folder {blocker}" in err
+
+
 # -- plan ---------------------------------------------------------------------------------
 CARD = ROOT / "configs" / "models" / "glm-5.2.json"
 
