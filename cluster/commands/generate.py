@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 
 from cluster.cli import UsageError
@@ -74,11 +76,33 @@ def run(args) -> int:
         log.warning("--out %s is relative: under `ray job submit` it lands in the job's copy "
                     "of the working dir (%s) on the head node; give an absolute path on "
                     "shared storage to keep it", args.out, Path.cwd())
-    summary = run_generate(cfg, args.prompts, args.out.resolve(), limit=args.limit)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        summary = run_generate(cfg, args.prompts, args.out.resolve(), limit=args.limit)
+    except Stopped:
+        print(f"kvfleet generate: stopped by SIGTERM; the finished rows are kept (in "
+              f"{args.out}.parts); rerun with the same --out to resume", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(summary.line())
     if args.stats is not None:
         write_stats(summary, cfg, args.stats)
     return 0
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived (`ray job stop`, kill, a preempted node). A BaseException, as
+    KeyboardInterrupt is: no `except Exception` of a step takes it for a failed step."""
+
+
+def _stop(signum, frame) -> None:
+    """Stop as Ctrl-C does, so that the job's `finally` writes the rows it has finished
+    (the default action ended the process at once: up to flush_every rows were lost). A
+    second SIGTERM ends it at once. (Once the job has called ray.init, Ray's own driver
+    handler, sys.exit(15), replaces this one: it unwinds the same `finally` blocks.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Stopped
 
 
 def write_stats(summary, cfg, path: Path) -> None:

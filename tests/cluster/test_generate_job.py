@@ -182,6 +182,41 @@ def test_killed_job_keeps_its_parts_and_resumes(tiny, tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_sigterm_keeps_the_finished_rows(tiny, tmp_path):
+    """SIGTERM (`ray job stop`, kill, a preempted node) ended the job at once: the rows it
+    had finished but not yet flushed (up to flush_every of them) were lost. Now it stops as
+    Ctrl-C does: the finished rows go to the part files, the exit code is 143 and a line
+    says how to resume; a rerun skips every row that had been reported done."""
+    import re
+    lines = prompt_lines(60, seed=3, max_tokens=12)
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {tiny}\nslots: 2\nmax_context: 64\nflush_every: 1000\n"
+                   "progress_every_s: 0.001\nworkers: {runtime: inprocess}\n")
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "generate", "--prompts", str(prompts),
+                             "--out", str(out), "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reported, err = 0, []
+    for line in proc.stderr:
+        err.append(line)
+        m = re.search(r"progress: (\d+)/", line)
+        if m and int(m.group(1)) >= 4:
+            reported = int(m.group(1))
+            os.kill(proc.pid, signal.SIGTERM)
+            break
+    err += proc.stderr.readlines()
+    assert proc.wait(timeout=60) == 143, "".join(err)[-3000:]
+    assert reported and not out.exists()
+    assert "stopped by SIGTERM" in "".join(err) and "Traceback" not in "".join(err)
+    parts = list((tmp_path / "out.parquet.parts").glob("part-*.parquet"))
+    kept = sum(pq.read_table(p).num_rows for p in parts)
+    assert reported <= kept < len(lines)
+    s = run_generate(load_job_config(cfg, env={}), prompts, out, progress=False)
+    assert s.skipped == kept and pq.read_table(out).num_rows == len(lines)
+
+
+@pytest.mark.slow
 def test_cli_on_a_local_ray_matches_in_process(tiny, tmp_path, reference):
     """`python -m cluster generate` without RAY_ADDRESS starts its own Ray (and turns auth
     off when RAY_AUTH_MODE is unset), places the worker actor by a custom resource."""
