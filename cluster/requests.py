@@ -10,6 +10,7 @@ line number and the reason, and the job writes an error row for it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -64,6 +65,7 @@ class Result:
     ttft_s: float | None = None  # slot assigned -> first token sampled (queueing excluded)
     decode_tokens_per_s: float | None = None  # (tokens - 1) / (last token - first token)
     cached_prompt_tokens: int = 0  # prompt tokens loaded from saved KV instead of computed
+    request_digest: str | None = None  # request_digest() of the line it answers (None: an input error)
 
     @classmethod
     def failed(cls, bad: InputError, tier: str) -> "Result":
@@ -77,6 +79,13 @@ class Result:
 
 def result_key(id_: str | None, line: int) -> str:
     return id_ if id_ is not None else f"#line{line}"
+
+
+def request_digest(r: Request) -> str:
+    """What a row answers besides the job's settings: the prompt and the line's own sampling
+    fields (not its id, line or cache name). A resumed job redoes an id whose digest changed."""
+    doc = [r.prompt, r.prompt_tokens, r.max_tokens, r.temperature, r.top_p, r.seed, r.stop]
+    return hashlib.blake2b(json.dumps(doc).encode("utf-8"), digest_size=8).hexdigest()
 
 
 LINE_KEY = re.compile(r"#line[0-9]+")  # result_key's form for rows without an id: no id may take it
@@ -98,9 +107,10 @@ SCHEMA = pa.schema([
     ("decode_tokens_per_s", pa.float64()),
     ("line", pa.int32()),
     ("cached_prompt_tokens", pa.int32()),
+    ("request_digest", pa.string()),
 ])
 # columns added after the first release: results files written before them read as null
-LATER_COLUMNS = frozenset({"cached_prompt_tokens"})
+LATER_COLUMNS = frozenset({"cached_prompt_tokens", "request_digest"})
 
 
 def results_table(results: list[Result]) -> pa.Table:

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from cluster.metrics import JobMetrics
-from cluster.requests import Request, Result
+from cluster.requests import Request, Result, request_digest
 from workers.actor import StepBatch, StepOutput, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -358,7 +358,8 @@ class Scheduler:
                       completion_token_count=len(s.out), finish_reason=reason, error=error,
                       tier=self.tier, worker=self.group.names[s.worker] if s.key >= 0 else "",
                       ttft_s=None if s.t_first is None else s.t_first - s.t_admit,
-                      decode_tokens_per_s=rate, cached_prompt_tokens=s.cached)
+                      decode_tokens_per_s=rate, cached_prompt_tokens=s.cached,
+                      request_digest=request_digest(r))
 
     def _account(self, outs: dict[int, StepOutput], wall: float, driver: float, n_tok: int,
                  n_prompt: int) -> None:

@@ -22,7 +22,8 @@ from cluster.config import JobConfig, JobConfigError
 from cluster.jobs.progress import Progress
 from cluster.jobs.results_store import ResultStore
 from cluster.metrics import JobMetrics
-from cluster.requests import InputError, Request, Result, read_requests, result_key
+from cluster.requests import (InputError, Request, Result, read_requests, request_digest,
+                              result_key)
 from cluster.scheduler import Prepared, Scheduler, SchedulerStats
 from workers.actor import LocalGroup, RayGroup, Worker, WorkerSpec
 from workers.persist import unsupported_reason
@@ -72,15 +73,19 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
                              f"(set by --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     done = store.done_keys()
-    skipped, errors, items = 0, [], []
+    skipped, errors, items, changed = 0, [], [], []
     try:
         lines = list(read_requests(prompts))
     except OSError as e:
         raise JobConfigError(f"--prompts {prompts}: {e.strerror}") from None
     for item in lines:
-        if result_key(item.id, item.line) in done:
-            skipped += 1
-            continue
+        key = result_key(item.id, item.line)
+        if key in done:
+            digest = request_digest(item) if isinstance(item, Request) else None
+            if done[key] is None or done[key] == digest:
+                skipped += 1
+                continue
+            changed.append(key)
         p = item if isinstance(item, InputError) else _prepare(item, cfg, tok, mcfg.vocab_size)
         (errors if isinstance(p, InputError) else items).append(p)
     if limit is not None:
@@ -90,6 +95,9 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
                     prompts)
     if skipped:
         log.info("%s: %d prompts already done, skipping them", out, skipped)
+    if changed:
+        log.warning("%s: %d ids have rows made for another prompt or per-line settings than "
+                    "their line has now (e.g. %s): run again", out, len(changed), changed[:3])
     if cfg.kv_cache_dir is None and any(p.req.cache is not None for p in items):
         log.warning("%s: 'cache' fields are ignored: KV cache persistence is off (set "
                     "kv_cache_dir, KVFLEET_KV_CACHE_DIR or --kv-cache-dir)", prompts)

@@ -4,7 +4,8 @@ Every `flush_every` results (or at the first result after `flush_s` seconds: the
 no timer, so a row can wait in memory until the next one) the buffered rows become one
 Parquet part file, written to a temporary name, fsync'd and renamed into place, so a job killed at any
 moment keeps every part it finished. A rerun with the same OUT reads the final file and the
-parts, treats every key with a non-error row as done, and `finalize` merges everything
+parts, treats every key whose newest row is not an error as done (unless the row's
+request_digest differs from its line's now: the prompt or the line's settings changed), and `finalize` merges everything
 into OUT (the newest row per key wins, rows sorted by input line) and removes the parts.
 Given the current input's keys, `finalize` keeps only their rows, at their current lines
 (a line removed or fixed in the prompts file leaves no stale row behind).
@@ -117,14 +118,18 @@ class ResultStore:
             tables.append(t.select(SCHEMA.names).cast(SCHEMA))
         return tables
 
-    def done_keys(self) -> set[str]:
-        """Keys with a non-error row: a rerun skips them. Error rows are redone."""
-        done = set()
+    def done_keys(self) -> dict[str, str | None]:
+        """Key -> request digest of the newest row of each key, for the keys whose newest
+        row is not an error: a rerun skips them where the digest matches its line's (None:
+        written before rows had one). Error rows are redone."""
+        done: dict[str, str | None] = {}
         for t in self._tables():
-            for i, line, reason in zip(*(t.column(c).to_pylist()
-                                         for c in ("id", "line", "finish_reason"))):
+            for i, line, reason, digest in zip(*(t.column(c).to_pylist() for c in (
+                    "id", "line", "finish_reason", "request_digest"))):
                 if reason != "error":
-                    done.add(result_key(i, line))
+                    done[result_key(i, line)] = digest
+                else:  # (finalize keeps the newest row: this one)
+                    done.pop(result_key(i, line), None)
         return done
 
     def add(self, result: Result) -> None:

@@ -271,6 +271,33 @@ def test_resume_after_editing_the_prompts_keeps_one_row_per_current_line(tiny, t
         assert list(zip(t.column("id").to_pylist(), t.column("line").to_pylist())) == want
 
 
+def test_resume_redoes_a_line_whose_request_changed(tiny, tmp_path):
+    """An id whose prompt or per-line settings were edited since its row was made is run
+    again (its old row, for the old request, was kept as done: the output's prompt and
+    completion did not belong to the prompts file any more); an unchanged id is skipped."""
+    out = tmp_path / "out.parquet"
+    line = lambda i, p, **kw: json.dumps({"id": i, "prompt": p, "max_tokens": 3, **kw})
+    run_generate(config(tiny), write_lines(tmp_path / "p.jsonl", [
+        line("a", "the quick fox"), line("b", "lazy dog"), line("c", "cache expert"),
+        line("d", "latent slot")]), out, progress=False)
+    edited = [line("a", "answer question Paris"), line("b", "lazy dog", max_tokens=5),
+              line("c", "cache expert"), line("d", "latent slot", stop=["zz"])]
+    s = run_generate(config(tiny), write_lines(tmp_path / "p.jsonl", edited), out, progress=False)
+    assert s.skipped == 1 and s.done == 3
+    fresh = tmp_path / "fresh.parquet"
+    run_generate(config(tiny), tmp_path / "p.jsonl", fresh, progress=False)
+    got, want = rows_by_id(out), rows_by_id(fresh)
+    for k in "abcd":
+        assert got[k]["prompt"] == want[k]["prompt"], k
+        assert got[k]["completion_tokens"] == want[k]["completion_tokens"], k
+    # a file written before rows carried their request's digest: its rows stay done
+    t = pq.read_table(out)
+    pq.write_table(t.drop_columns(["request_digest"]).replace_schema_metadata(t.schema.metadata), out)
+    s = run_generate(config(tiny), write_lines(tmp_path / "p.jsonl", [line("a", "fox")] + edited[1:]),
+                     out, progress=False)
+    assert s.skipped == 4 and s.done == 0
+
+
 def test_resume_with_other_settings_is_refused(tiny, tmp_path):
     """One OUT never mixes two configurations' rows (a rerun with another --kv used to
     add tq4 rows beside the f32 ones and call the rest done)."""
