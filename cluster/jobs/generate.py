@@ -65,6 +65,10 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         tok = Tokenizer.from_dir(cfg.model)
     except (ConfigError, TokenizerError) as e:
         raise JobConfigError(f"model: {e}") from None
+    if cfg.max_context > mcfg.max_position_embeddings:  # (as `kvfleet plan` warns; vLLM refuses)
+        log.warning("max_context=%d exceeds the model's max_position_embeddings %d (%s): "
+                    "positions past it are ones the model was not trained at", cfg.max_context,
+                    mcfg.max_position_embeddings, cfg.model / "config.json")
     if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
         raise JobConfigError(f"model {cfg.model}: {why}")
     if cfg.kv_cache_dir is not None and cfg.kv_cache_dir.exists() and not cfg.kv_cache_dir.is_dir():

@@ -298,6 +298,22 @@ def test_resume_redoes_a_line_whose_request_changed(tiny, tmp_path):
     assert s.skipped == 4 and s.done == 0
 
 
+def test_max_context_past_the_models_positions_warns(tiny, tmp_path, caplog):
+    """A max_context longer than the model's max_position_embeddings ran positions the model
+    was never trained at without a word (vLLM refuses such a max_model_len; `kvfleet plan`
+    warns): the job says so once, and runs as configured."""
+    limit = json.loads((tiny / "config.json").read_text())["max_position_embeddings"]
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    for ctx, warned in ((limit, False), (limit + 16, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            s = run_generate(config(tiny, max_context=ctx), prompts, tmp_path / f"{ctx}.parquet",
+                             progress=False)
+        assert s.done == 2
+        said = f"max_context={ctx} exceeds the model's max_position_embeddings {limit}"
+        assert (said in caplog.text) == warned, caplog.text
+
+
 def test_resume_with_other_settings_is_refused(tiny, tmp_path):
     """One OUT never mixes two configurations' rows (a rerun with another --kv used to
     add tq4 rows beside the f32 ones and call the rest done)."""
