@@ -80,6 +80,7 @@ class SchedulerStats:
     requeued: int = 0  # sequences re-run from their prompts after their worker died
     kv_cache: dict[str, int] = field(default_factory=dict)  # saved-KV counts (workers/persist.py)
     kv_bytes_peak: int = 0  # most KV pool bytes held at once, summed over workers
+    fallbacks: dict[str, int] = field(default_factory=dict)  # path -> count (workers/fallbacks.py)
 
     @property
     def overhead_per_decode_step_s(self) -> float:
@@ -383,6 +384,11 @@ class Scheduler:
                 self.metrics.kv_cache(k, n)
             self.metrics.kv_bytes(self.tier, self.group.names[w], o.kv_bytes)
             for path, n in o.fallbacks.items():
+                if path not in st.fallbacks:  # (once per path: a fallback is never silent)
+                    log.warning("worker %s: native path %s fell back to a slower one (counted "
+                                "in kvfleet_fallbacks and the stats' fallbacks)",
+                                self.group.names[w], path)
+                st.fallbacks[path] = st.fallbacks.get(path, 0) + n
                 self.metrics.fallback(path, n)
 
     def _flush_releases(self, waiting: deque, active: list[_Seq]) -> None:

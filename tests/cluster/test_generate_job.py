@@ -314,6 +314,21 @@ def test_max_context_past_the_models_positions_warns(tiny, tmp_path, caplog):
         assert (said in caplog.text) == warned, caplog.text
 
 
+def test_fallbacks_are_in_the_stats_and_the_log(tiny, tmp_path, caplog):
+    """A native path that fell back (polar rows rebuilt to float32 by the numpy attention)
+    reached only the kvfleet_fallbacks metric: a job without Ray, its --stats and its log
+    said nothing. Now the scheduler's stats count every path, and the first fallback of a
+    path is logged once, naming it."""
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(5))
+    with caplog.at_level("WARNING"):
+        s = run_generate(config(tiny, kv="polar3"), prompts, tmp_path / "o.parquet", progress=False)
+    assert s.stats.fallbacks.get("cpu.polar_rebuild_rows", 0) > 0
+    said = [r for r in caplog.records if "cpu.polar_rebuild_rows" in r.getMessage()]
+    assert len(said) == 1 and "fell back" in said[0].getMessage()
+    s = run_generate(config(tiny, kv="kv8"), prompts, tmp_path / "k.parquet", progress=False)
+    assert s.stats.fallbacks == {}
+
+
 def test_resume_with_other_settings_is_refused(tiny, tmp_path):
     """One OUT never mixes two configurations' rows (a rerun with another --kv used to
     add tq4 rows beside the f32 ones and call the rest done)."""
