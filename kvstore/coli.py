@@ -144,8 +144,7 @@ class ColiKVFile(CacheFile):
             os.close(fd)
 
     def _cut(self, n: int) -> None:
-        fd = self._open_in_place(os.O_RDWR,
-                         need=HEADER_BYTES + n * self.layout.record_bytes)
+        fd = self._open_in_place(os.O_RDWR, need=HEADER_BYTES + n * self.layout.record_bytes)
         try:
             os.pwrite(fd, struct.pack("<i", n), NREC_OFFSET)  # commit the shorter length first
             os.fsync(fd)
