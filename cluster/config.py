@@ -255,6 +255,26 @@ def _paths(d: Mapping, prefix: str = "") -> list[str]:
     return out
 
 
+def _fleet_file_hint(data: dict, path: Path) -> str | None:
+    """What to do instead when `path` is a fleet file (cluster/fleet.py), the mistake of
+    passing it as the job config: pydantic only listed `nodes` and `plan` as extra inputs.
+    None when it is not one. (The inverse of `kvfleet plan`'s hint for a job config.)"""
+    from cluster.fleet import Fleet  # (not at import: the planner and the model code)
+    # a fleet file has `nodes` and no field that only a job config has (`model` is in both):
+    # a job config with a stray `nodes` keeps its own error
+    job_only = set(JobConfig.model_fields) - set(Fleet.model_fields)
+    if "nodes" not in data or set(data) & job_only:
+        return None
+    try:  # a relative workers.fleet resolves against the repo root (cluster/placement.py)
+        ref = path.resolve().relative_to(REPO_ROOT)
+    except ValueError:
+        ref = path.resolve()
+    return (f"is a fleet file (`nodes` and their memory: cluster/fleet.py), not a job config; "
+            f"to run a job on this fleet, name it in a job config as `workers: {{fleet: {ref}}}` "
+            f"(as configs/sharded.yaml does) and pass that with --config; to plan it: "
+            f"kvfleet plan --config {path}")
+
+
 def validate_job_config(data: dict, source: str) -> JobConfig:
     """A JobConfig from a plain mapping (e.g. the job part of a soak arm); errors name `source`."""
     return _validate(data, source)
@@ -281,7 +301,13 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
             raise JobConfigError(f"{source}: top level must be a mapping, got "
                                  f"{type(loaded).__name__}")
         data = loaded or {}
-    cfg = _validate(data, source)  # file errors are reported against the file alone
+    try:
+        cfg = _validate(data, source)  # file errors are reported against the file alone
+    except JobConfigError:
+        hint = _fleet_file_hint(data, Path(path)) if path is not None else None
+        if hint:
+            raise JobConfigError(f"{source}: {hint}") from None
+        raise
     env = os.environ if env is None else env
     from_env = env_overrides(env)
     if not from_env and not overrides:

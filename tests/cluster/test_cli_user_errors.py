@@ -24,6 +24,17 @@ def gen_args(tiny, tmp_path, *extra) -> list[str]:
             "--max-tokens", "2", *extra]
 
 
+def test_generate_given_a_fleet_file_says_so(tmp_path, capsys):
+    """It listed the fleet's `plan` and `nodes` as 'Extra inputs are not permitted'."""
+    fleet = ROOT / "configs" / "fleets" / "local-sharded.yaml"
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    code, err = run_cli(capsys, "generate", "--config", str(fleet), "--prompts", str(prompts),
+                        "--out", str(tmp_path / "out.parquet"), "--inprocess")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{fleet}: is a fleet file" in err and "workers: {fleet: configs/fleets/local-sharded.yaml}" in err
+    assert not (tmp_path / "out.parquet").exists()
+
+
 def test_generate_out_that_is_a_directory(tiny, tmp_path, capsys):
     """It read the directory as an empty Parquet dataset and said 'not a kvfleet results
     file (missing [every column])'."""

@@ -229,3 +229,38 @@ def test_a_step_timeout_that_the_workers_do_not_use_is_said_to_be_unused(monkeyp
                 generate._start_workers(cfg)
             assert ("workers.step_timeout_s" in caplog.text and "is not used" in caplog.text) \
                 == warned, (workers, value, caplog.text)
+
+
+FLEETS = sorted((REPO_ROOT / "configs" / "fleets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("fleet", FLEETS, ids=[f.name for f in FLEETS])
+def test_a_fleet_file_given_as_the_job_config_is_named_as_one(fleet, tmp_path):
+    """`kvfleet generate --config configs/fleets/h200x2.yaml` said only 'plan: Extra inputs
+    are not permitted (got {...}); nodes: Extra inputs are not permitted (got [...])'."""
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(fleet, env={})
+    msg = str(e.value)
+    assert msg.startswith(f"{fleet}: is a fleet file") and "Extra inputs" not in msg, msg
+    # the job config line to write: workers.fleet resolves against the repo root
+    rel = fleet.relative_to(REPO_ROOT)
+    assert f"`workers: {{fleet: {rel}}}`" in msg and f"kvfleet plan --config {fleet}" in msg
+    cfg = load_job_config(write(tmp_path, f"workers: {{fleet: {rel}}}\n"), env={})
+    assert REPO_ROOT / cfg.workers.fleet == fleet
+    # a fleet file outside the repo is named by its absolute path
+    outside = write(tmp_path, fleet.read_text(), name="my fleet.yaml")
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(outside, env={})
+    assert f"`workers: {{fleet: {outside}}}`" in str(e.value)
+
+
+@pytest.mark.parametrize("text", [
+    "kv: kv8\nnodes:\n  - {name: a, kind: cpu, memory: 4}\n",  # a job config with a stray `nodes`
+    "model: ../models/x\nplan: {ctx: 4096}\nnode:\n  - {name: a, kind: cpu, memory: 4}\n",
+])
+def test_a_job_config_with_fleet_fields_keeps_its_own_error(tmp_path, text):
+    """Only a file with `nodes` and no job-only field is taken for a fleet file: a job config
+    with a stray `nodes` (or a fleet file without any) is told which keys are wrong."""
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(write(tmp_path, text), env={})
+    assert "is a fleet file" not in str(e.value) and "Extra inputs" in str(e.value)
