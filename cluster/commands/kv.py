@@ -10,7 +10,8 @@ encode, which is lossy); the output is written atomically, under the output's sl
 convert deletes that lock file again as it lets go (a busy output's lock, which another
 process holds, is left alone). An output with other hard links (a `cp -al` snapshot) is
 replaced by a file of its own, never written in place: its other names keep their bytes
-(convert says so in a note).
+(convert says so in a note). An output folder that does not exist is created (mkdir -p;
+convert says so), and removed again when convert writes nothing.
 Both refuse a file that a loader would throw away whole (a clean start).
 """
 from __future__ import annotations
@@ -149,7 +150,13 @@ def convert_cmd(args) -> int:
         raise UsageError(f"{args.output}: a symlink to {os.readlink(args.output)!r} that does "
                          f"not resolve (a loop, or a share that is not mounted); nothing written")
     dst_tier = get_tier(args.to)
-    lock = _lock_output(args.output)  # also the input's lock when it is the same file
+    made = _make_folder(args.output)
+    try:
+        lock = _lock_output(args.output)  # also the input's lock when it is the same file
+    except UsageError:
+        _remove_folders(made)
+        raise
+    done = False
     try:
         src_fmt, src, recs, _ = open_any(args.input)
         if src.message:
@@ -165,11 +172,45 @@ def convert_cmd(args) -> int:
         dst.rewrite(out)
         if dst.detached:
             print(f"note: {args.output} had other hard links; they keep the old file")
+        done = True
     finally:
         lock.close(remove=True)  # (held by us: no other process can hold its lock files now)
+        if not done:  # (an error or Ctrl-C) "nothing written" holds for the folders as well
+            _remove_folders(made)
+    if made:
+        print(f"note: created the folder {os.path.dirname(args.output)}")
     print(f"wrote {len(out)} records ({dst_tier.name}, {fmt}) to {args.output} "
           f"({os.path.getsize(args.output)} bytes; from {src_fmt} {src.tier.name})")
     return 0
+
+
+def _make_folder(path: str) -> list[str]:
+    """Create the output's missing folders, as `mkdir -p` would (and HF's save_pretrained
+    does): the folders made, deepest first. One that cannot be made (a file in the way, no
+    permission) is a UsageError naming it, with nothing made."""
+    folder = os.path.dirname(os.path.abspath(path))
+    missing, d = [], folder
+    while not os.path.lexists(d):  # (lexists: a dangling link in the way is not missing)
+        missing.append(d)
+        d = os.path.dirname(d)
+    if not missing:
+        return []
+    try:
+        os.makedirs(folder)
+    except OSError as e:  # FileExistsError / NotADirectoryError: a file where a folder goes
+        _remove_folders(missing)  # (those made before the one that failed)
+        raise UsageError(f"{path}: cannot create its folder {os.path.dirname(path)} "
+                         f"({e.strerror}: {e.filename}); nothing written") from None
+    return missing
+
+
+def _remove_folders(folders: list[str]) -> None:
+    """rmdir each of `folders` (deepest first) that is there and empty."""
+    for d in folders:
+        try:
+            os.rmdir(d)
+        except OSError:  # not made, or something else put a file in it meanwhile: keep it
+            pass
 
 
 def _lock_output(path: str) -> SlotLock:

@@ -398,3 +398,36 @@ def test_convert_onto_a_hard_linked_file_keeps_its_other_names(tmp_path, capsys)
     assert rc == 0 and "had other hard links" in out
     assert snap.read_bytes() == before and same(ArrowKVFile(snap, FP, "kv8").load(), enc)
     assert len(ArrowKVFile(out_file, FP, "tq4").load()) == 6
+
+
+def test_convert_creates_the_output_folder_and_removes_it_when_nothing_is_written(tmp_path, capsys,
+                                                                                monkeypatch):
+    """An output in a folder that did not exist was refused as 'cannot lock the output (No
+    such file or directory: OUT.lock)', naming a lock file the user never asked for; it is
+    made, as `mkdir -p` would, and said so."""
+    src = tmp_path / "in.arrow"
+    want = write(ArrowKVFile, src, FP, "kv8", [records(FP, "kv8", 7, 3)])
+    dst = tmp_path / "new" / "deeper" / "out.coli_kv"
+    rc, out, err = run(capsys, "kv", "convert", src, dst, "--to", "kv8")
+    assert rc == 0 and err == "", err
+    assert f"note: created the folder {dst.parent}" in out and "wrote 7 records" in out
+    assert same(ColiKVFile(dst, FP, "kv8").load(), want) and os.listdir(dst.parent) == ["out.coli_kv"]
+    # a convert that writes nothing leaves no folder behind either: a missing input, ...
+    rc, out, err = run(capsys, "kv", "convert", tmp_path / "missing.arrow", tmp_path / "a" / "b" / "o.arrow",
+                       "--to", "kv8")
+    assert rc == 2 and "no such file" in err and "wrote" not in out
+    assert not (tmp_path / "a").exists()
+
+    def interrupted(self, recs):  # ... or Ctrl-C in the middle of the write
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ArrowKVFile, "rewrite", interrupted)
+    from cluster.cli import build_parser
+    args = build_parser().parse_args(["kv", "convert", str(src), str(tmp_path / "a" / "b" / "o.arrow"),
+                                      "--to", "tq4"])
+    with pytest.raises(KeyboardInterrupt):
+        args.func(args)
+    assert not (tmp_path / "a").exists()
+    # a file where a folder goes: named, nothing made
+    rc, out, err = run(capsys, "kv", "convert", src, src / "x" / "o.arrow", "--to", "kv8")
+    assert rc == 2 and f"cannot create its folder {src / 'x'}" in err and "nothing written" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.arrow", "new"]
