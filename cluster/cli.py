@@ -2,13 +2,20 @@
 
 Each subcommand lives in its own module under `cluster/commands/` and exposes
 `register(subparsers)`, which adds its parser and sets `func` (called with the parsed
-args, returns the exit code). Add a command by adding its module name to COMMANDS.
+args, returns the exit code) and, optionally, `interrupted` (called with the args after a
+Ctrl-C: what the interrupted run left, e.g. which results are kept). Add a command by
+adding its module name to COMMANDS.
+
+Ctrl-C (KeyboardInterrupt) ends any command with one line on stderr and exit status 130
+(128 + SIGINT, as shells report it), not a traceback. It is caught here only: the jobs let
+it unwind, so that their `finally` blocks write what they have finished.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 COMMANDS = ["generate", "score", "plan", "kv", "bench", "soak"]
@@ -28,15 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = None  # (a Ctrl-C may come while the commands are still being imported)
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return int(args.func(args) or 0)
     except UsageError as e:
         print(f"kvfleet {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        left = getattr(args, "interrupted", None)
+        print(f"kvfleet{' ' + args.command if args else ''}: interrupted"
+              + (f"; {left(args)}" if left else ""), file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

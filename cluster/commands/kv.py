@@ -45,7 +45,9 @@ def register(sub) -> None:
     cv.add_argument("--to", required=True, choices=sorted(TIERS), help="tier of the output")
     cv.add_argument("--format", choices=["arrow", "coli"],
                     help="output format (default: from the output suffix .arrow / .coli_kv)")
-    cv.set_defaults(func=convert_cmd)
+    cv.set_defaults(func=convert_cmd, interrupted=lambda args: (
+        f"{args.output} is unchanged unless the conversion had finished (the new file replaces "
+        f"it in one rename, once complete)"))
 
 
 def open_any(path: str):

@@ -34,7 +34,9 @@ def register(sub) -> None:
     g.add_argument("--rounds", type=int, help="number of rounds (each runs A, then B)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--kill-worker-every", help="kill a worker actor at this interval (e.g. 20s)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, interrupted=lambda args: (
+        f"the rounds that finished are kept in {args.out / 'rounds'} (results, stats, logs); "
+        f"no summary.json or report.html was written"))
 
 
 def run(args) -> int:

@@ -222,3 +222,57 @@ def test_plan_fleet_file_with_a_typo_keeps_its_own_error(tmp_path, capsys):
     code, err = run_cli(capsys, "plan", "--config", str(f))
     assert code == 2 and "is a job config" not in err
     assert "nodes" in err and "node" in err.replace("nodes", ""), err
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C printed a KeyboardInterrupt traceback and exited 1. Here a real SIGINT reaches
+    `kvfleet plan` while it is blocked reading its --config (a FIFO nobody writes to)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    fifo = tmp_path / "fleet.yaml"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "plan", "--config", str(fifo)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a FIFO opens for writing (non-blocking) only once its reader has it open
+            try:
+                w = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        os.close(w)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err == "kvfleet plan: interrupted\n" and out == ""
+
+
+def test_ctrl_c_says_what_the_command_kept(tmp_path, capsys, monkeypatch):
+    """A command's `interrupted` note is the rest of that one line (soak: its finished
+    rounds); the interrupt unwinds the command first (its `finally` blocks run)."""
+    import cluster.soak.runner as runner
+    unwound = []
+
+    def interrupted(plan):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            unwound.append(plan.out)
+    monkeypatch.setattr(runner, "run_soak", interrupted)
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    arm = tmp_path / "a.yaml"
+    arm.write_text(f"model: {ROOT / 'models' / 'kvfleet-mini'}\n")
+    code, err = run_cli(capsys, "soak", "--config", str(arm), "--prompts", str(prompts),
+                        "--rounds", "1", "--out", str(tmp_path / "soak"))
+    assert code == 130 and unwound == [tmp_path / "soak"]
+    assert err == (f"kvfleet soak: interrupted; the rounds that finished are kept in "
+                   f"{tmp_path / 'soak' / 'rounds'} (results, stats, logs); no summary.json or "
+                   f"report.html was written\n")

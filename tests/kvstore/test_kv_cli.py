@@ -431,3 +431,23 @@ def test_convert_creates_the_output_folder_and_removes_it_when_nothing_is_writte
     rc, out, err = run(capsys, "kv", "convert", src, src / "x" / "o.arrow", "--to", "kv8")
     assert rc == 2 and f"cannot create its folder {src / 'x'}" in err and "nothing written" in err
     assert sorted(os.listdir(tmp_path)) == ["in.arrow", "new"]
+
+
+def test_convert_interrupted_keeps_the_old_output(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the middle of the write: one line (exit 130, no traceback) saying what OUT
+    holds, and OUT has its old bytes, with no temporary or lock file left beside it."""
+    src, dst = tmp_path / "in.arrow", tmp_path / "out.arrow"
+    write(ArrowKVFile, src, FP, "f32", [records(FP, "f32", 5, 2)])
+    assert run(capsys, "kv", "convert", src, dst, "--to", "kv8")[0] == 0
+    before = dst.read_bytes()
+    write_new = ArrowKVFile._write_new
+
+    def interrupted(self, tmp, recs):  # the new file half written, then Ctrl-C
+        write_new(self, tmp, recs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ArrowKVFile, "_write_new", interrupted)
+    rc, out, err = run(capsys, "kv", "convert", src, dst, "--to", "tq4")
+    assert rc == 130 and "wrote" not in out and "Traceback" not in err
+    assert err == (f"kvfleet kv: interrupted; {dst} is unchanged unless the conversion had "
+                   f"finished (the new file replaces it in one rename, once complete)\n")
+    assert dst.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["in.arrow", "out.arrow"]
