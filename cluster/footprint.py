@@ -13,7 +13,8 @@ come out exactly (tests/cluster/test_planner.py).
   layer's eh_proj, enorm, hnorm and shared_head.norm. An MTP layer shares embed_tokens and
   lm_head with the main model, so copies of them in a checkpoint are not counted.
 - Routed experts: gate_proj and up_proj [moe_intermediate, hidden], down_proj
-  [hidden, moe_intermediate], in one of the WEIGHT_FORMATS below.
+  [hidden, moe_intermediate], in one of the WEIGHT_FORMATS below; `run_experts` counts
+  those of the main layers only, the ones a kvfleet job loads (it runs no MTP layer).
 - KV: per cached layer and token, Tier.token_bytes(kv_lora_rank, qk_rope_head_dim) from
   kernels/tiers.py; cached layers = num_hidden_layers + num_nextn_predict_layers.
 - DSA indexer keys: index_head_dim float32 per token per layer that owns an indexer.
@@ -127,6 +128,18 @@ class Footprint:
     @property
     def routed_experts(self) -> int:
         return len(self.moe_layers) * self.config.n_routed_experts
+
+    @property
+    def run_moe_layers(self) -> tuple[int, ...]:
+        """The MoE layers whose routed experts a kvfleet job loads, so the ones the planner
+        places and pins: the main layers. It runs no MTP layer (workers/weights.py skips
+        their tensors), so the MTP layers' experts count in the checkpoint (param_count) but
+        would only take room from experts that run."""
+        return tuple(i for i in self.moe_layers if i < self.config.num_hidden_layers)
+
+    @property
+    def run_experts(self) -> int:
+        return len(self.run_moe_layers) * self.config.n_routed_experts
 
     # --- weights ------------------------------------------------------------------
     def dense_parts(self) -> dict[str, int]:

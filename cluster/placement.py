@@ -137,14 +137,13 @@ def split_owners(cfg: JobConfig, rooms: list[int], kinds: list[str], sharded: bo
     from cluster.footprint import Footprint
     from cluster.planner import assign_experts, device_bytes, expert_order, split_experts
     fp = Footprint.from_file(cfg.model)
-    E, layers = fp.config.n_routed_experts, [l for l in fp.moe_layers if l < fp.config.num_hidden_layers]
+    E, layers = fp.config.n_routed_experts, fp.run_moe_layers
     eb = [device_bytes(fp, kind, EXPERT_FORMAT, loaded=True)[1] for kind in kinds]
 
     def table(fill, experts, values):
         out = {l: np.full(E, fill) for l in layers}
         for (l, e), v in zip(experts.tolist(), values.tolist()):
-            if l in out:  # MTP layers are not run
-                out[l][e] = v
+            out[l][e] = v
         return out
     if not sharded:
         order = expert_order(layers, E)

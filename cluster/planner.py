@@ -41,6 +41,9 @@ even share of them fits every device, dealt out round-robin (the same expert com
 every worker, whatever their KV sizes); otherwise most used first (or spread evenly over
 the MoE layers when no counts are given), each into the worker with the biggest free budget.
 One expert's bytes may differ per device (the job's plan: float32 on cuda, bf16 elsewhere).
+Only the experts a kvfleet job loads are placed, those of the main layers
+(Footprint.run_moe_layers): the MTP layers' experts, which it never loads, would take room
+(and, unpinned, count as served from host memory) that experts it runs could have.
 """
 from __future__ import annotations
 
@@ -185,8 +188,13 @@ def split_experts(fp: Footprint, capacities: Sequence[int], experts: str | Weigh
     `capacities` (e.g. DevicePlan free_bytes + pinned_bytes of a plan). Dealt out evenly
     when an even share fits every worker (`deal_evenly`), else most used first into the
     biggest free budget (`assign_experts`). expert_bytes: one expert's bytes on each worker
-    (device_bytes); None: fp.expert_bytes(experts) on all."""
-    order = expert_order(fp.moe_layers, fp.config.n_routed_experts, usage)
+    (device_bytes); None: fp.expert_bytes(experts) on all. Only the experts the job loads
+    are split (fp.run_moe_layers); usage: counts per run MoE layer, or per MoE layer
+    of the checkpoint, whose MTP rows (the last ones) are then left out."""
+    run = fp.run_moe_layers
+    if usage is not None and np.shape(usage)[:1] == (len(fp.moe_layers),) != (len(run),):
+        usage = np.asarray(usage)[:len(run)]
+    order = expert_order(run, fp.config.n_routed_experts, usage)
     eb = fp.expert_bytes(experts) if expert_bytes is None else list(expert_bytes)
     # dealt evenly every expert is pinned, so the order only decides who serves what: layer by
     # layer, so that every worker gets a share of every MoE layer, as vLLM's and SGLang's EP
@@ -262,12 +270,13 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        fp, layers = self.footprint, self.footprint.moe_layers
+        fp, layers = self.footprint, self.footprint.run_moe_layers
         return {
             "model": fp.config.source, "model_type": fp.config.model_type, "tier": self.tier.name,
             "ctx": self.ctx, "expert_format": self.expert_format.name, "expert_bytes": self.expert_bytes,
             "cached_layers": fp.cached_layers, "moe_layers": len(layers),
-            "routed_experts": fp.routed_experts,
+            # the experts planned (a job loads them); the MTP layers' are not
+            "routed_experts": fp.run_experts, "mtp_experts": fp.routed_experts - fp.run_experts,
             "pinned_experts": int(sum(len(d.pinned) for d in self.devices)),
             "host_experts": int(len(self.host)), "experts_even": self.experts_even,
             "host_dtype": np.dtype(PARAM_DTYPE).name,
@@ -338,8 +347,7 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
     a = split_experts(fp, rooms, fmt, usage, expert_bytes=[e for _, e in sizes])
     host = a.experts[~a.pinned]
     dense_f32, expert_f32 = loaded_bytes(fp.config)
-    run = a.experts[:, 0] < fp.config.num_hidden_layers  # (MTP layers' experts: not loaded)
-    on_host = [run & (a.owner == w) & (~a.pinned if dev.kind == "cuda" else True)
+    on_host = [(a.owner == w) & (~a.pinned if dev.kind == "cuda" else True)
                for w, dev in enumerate(devices)]  # the routed experts each worker holds in RAM
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),

@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--as-job", action="store_true",
                    help=f"plan as kvfleet generate runs the fleet: {EXPERT_FORMAT} experts, a cuda "
                         "device's dense weights and pinned experts as float32 (what its workers upload)")
-    p.add_argument("--usage", type=Path, help="expert usage counts [MoE layers, experts] (.npy or .json)")
+    p.add_argument("--usage", type=Path, help="expert usage counts [MoE layers, experts] (.npy or .json; "
+                   "rows of MTP layers, which kvfleet does not load, are ignored)")
     p.add_argument("--free-gb", action="append", default=[], metavar="DEVICE=GB",
                    help="free memory of an 'auto' device instead of measuring it (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -195,7 +196,8 @@ def _pool_only(args: argparse.Namespace) -> int:
         "kv_pool_bytes": fp.kv_pool_bytes(tier, slots, args.ctx),
         "indexer_layers": len(fp.indexer_layers), "index_bytes_per_token": fp.index_bytes_per_token,
         "index_pool_bytes": fp.index_pool_bytes(slots, args.ctx),
-        "dense_bytes": fp.dense_bytes, "routed_experts": fp.routed_experts,
+        "dense_bytes": fp.dense_bytes, "routed_experts": fp.run_experts,
+        "mtp_experts": fp.routed_experts - fp.run_experts,
         "tiers": {t: {"kv_bytes_per_token": fp.kv_bytes_per_token(t), "kv_pool_bytes": fp.kv_pool_bytes(t, slots, args.ctx)}
                   for t in TIERS},
     }
@@ -231,7 +233,8 @@ def _table(d: dict) -> str:
     lines = [
         f"model {d['model_type']} ({d['model']}): {d['cached_layers']} cached layers, "
         f"{d['moe_layers']} MoE layers, {d['routed_experts']} routed experts of {size(d['expert_bytes'])} "
-        f"({d['expert_format']})",
+        f"({d['expert_format']})" + (f" (+ {d['mtp_experts']} in MTP layers, which kvfleet does not load "
+                                     f"or plan)" if d["mtp_experts"] else ""),
         f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token + indexer "
         f"{d['index_bytes_per_token']} B/token; sizes in GB (1e9 bytes)",
         f"{'device':<22}{'kind':<6}{'slots':>5}{'budget':>9}{'dense':>8}{'kv':>8}{'index':>7}{'shadow':>7}"

@@ -101,7 +101,8 @@ def test_auto_memory_needs_a_measurement(tmp_path):
 def test_cli_plan_fleet_json_and_table(capsys):
     assert main(["plan", "--config", str(FLEETS / "h200x2.yaml"), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert [x["pinned_experts"] for x in d["devices"]] == [4033, 4033] and d["host_experts"] == 11390
+    assert [x["pinned_experts"] for x in d["devices"]] == [4033, 4033] and d["host_experts"] == 11134
+    assert d["routed_experts"] == 75 * 256 and d["mtp_experts"] == 256  # (MTP layer 78: not run, not planned)
     assert d["devices"][0]["kv_pool_bytes"] == 131072 * 79 * 584
     assert sum(d["devices"][0]["pinned_per_layer"].values()) == 4033
     assert main(["plan", "--config", str(FLEETS / "mixed.yaml")]) == 0

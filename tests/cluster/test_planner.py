@@ -127,10 +127,47 @@ def test_two_h200_glm52_int4_pins(capsys):
         assert len(d.pinned) == room // eb == 4033
         assert 0 <= d.free_bytes < eb
         assert d.shadow_bytes == d.kv_pool_bytes == 131_072 * 79 * 584
-    assert len(p.host) == fp.routed_experts - 2 * 4033 == 11_390
+    assert len(p.host) == fp.run_experts - 2 * 4033 == 11_134  # (the MTP layer's 256: not planned)
     with capsys.disabled():
         print(f"\n2 x H200 141 GB, GLM-5.2 int4 experts, kv8, 1 slot x 131072: "
               f"{[len(d.pinned) for d in p.devices]} experts pinned per GPU, {len(p.host)} on host")
+
+
+def test_mtp_experts_take_no_room_from_the_experts_that_run(capsys):
+    """GLM-5.2 (num_nextn_predict_layers=1): the plan pinned 106 experts of MTP layer 78 on
+    the second H200 (2.2 GB of room that its run experts could have had; the job's split
+    then dropped them, so that worker pinned 106 fewer than its room holds) and counted the
+    layer's 256 in routed_experts and 150 in host_experts, though no kvfleet job loads them.
+    Hostile usage counts that make the MTP layer the most used change nothing."""
+    fp = card("glm-5.2")
+    assert fp.config.num_nextn_predict_layers == 1 and 78 in fp.moe_layers
+    assert fp.run_moe_layers == tuple(range(3, 78)) and fp.run_experts == 75 * 256
+    eb = fp.expert_bytes("int4")
+    devs = [DeviceBudget(f"h200/cuda{i}", "cuda", 141 * GB, 4 * GB, slots=1) for i in range(2)]
+    rng = np.random.default_rng(78)
+    usage = rng.poisson(5.0, (len(fp.moe_layers), 256)).astype(float)
+    usage[-1] = 1e9  # the MTP layer's row (the checkpoint's MoE layers) counted hottest
+    plans = [plan(fp, devs, tier="kv8", ctx=131_072, experts="int4", usage=u)
+             for u in (None, usage, usage[:-1])]
+    for p in plans:
+        placed = np.concatenate([*(d.pinned for d in p.devices), p.host])
+        assert len(placed) == len({tuple(x) for x in placed.tolist()}) == 19_200
+        assert placed[:, 0].max() == 77 and placed[:, 0].min() == 3  # MTP layer 78: never placed
+        for d in p.devices:  # the whole room goes to experts that run
+            assert len(d.pinned) == (d.free_bytes + d.pinned_bytes) // eb == 4033 and d.free_bytes < eb
+        d = p.to_dict()
+        assert (d["routed_experts"], d["mtp_experts"], d["moe_layers"]) == (19_200, 256, 75)
+        assert d["pinned_experts"] + d["host_experts"] == 19_200
+        assert all(sorted(map(int, v["pinned_per_layer"])) == list(range(3, 78)) for v in d["devices"])
+    # counts with the MTP row or without it: the same plan (the row is left out)
+    assert all((a.pinned == b.pinned).all() for a, b in zip(plans[1].devices, plans[2].devices))
+    # the job's split (cluster/placement.py) gets the same: every room spent on run experts
+    a = split_experts(fp, [4033 * eb + eb // 2] * 2, "int4")
+    assert a.pinned.sum() == 8066 and a.experts[:, 0].max() == 77
+    assert main(["plan", "--config", str(CARDS.parent / "fleets" / "h200x2.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "75 MoE layers, 19200 routed experts" in out and "(+ 256 in MTP layers" in out
+    assert "experts: 8066 of 19200 pinned on devices, 11134 served from host memory" in out
 
 
 # --- placement ---------------------------------------------------------------------------
@@ -227,13 +264,16 @@ def test_random_fleets_never_overbook_and_place_every_expert_once():
                              slots=int(rng.integers(1, 5))) for i in range(n_dev)]
         tier = str(rng.choice(["f32", "kv8", "tq4", "polar3"]))
         ctx, fmt = int(rng.integers(1, 300)), str(rng.choice(["bf16", "fp8", "int4"]))
-        usage = rng.poisson(3.0, (len(fp.moe_layers), fp.config.n_routed_experts)) if rng.random() < 0.5 else None
+        # counts per run MoE layer, or per MoE layer of the checkpoint (its MTP rows ignored)
+        counted = fp.run_moe_layers if rng.random() < 0.5 else fp.moe_layers
+        usage = rng.poisson(3.0, (len(counted), fp.config.n_routed_experts)) if rng.random() < 0.5 else None
         floor = int(rng.integers(0, 40) * 10**6)
         try:
             p = plan(fp, devs, tier=tier, ctx=ctx, experts=fmt, usage=usage, shadow_floor_bytes=floor)
         except PlanError as e:
             refused += 1
-            bad = [d for d in devs if fp.dense_bytes + d.slots * ctx * (
+            held = -(-ctx // BLOCK) * BLOCK  # (the pool holds whole blocks)
+            bad = [d for d in devs if fp.dense_bytes + d.slots * held * (
                 fp.kv_bytes_per_token(tier) + fp.index_bytes_per_token
                 + (fp.kv_bytes_per_token("kv8") if d.kind == "cuda" and d.memory_bytes >= floor else 0)) > d.capacity]
             assert bad and bad[0].name in str(e)
@@ -246,10 +286,10 @@ def test_random_fleets_never_overbook_and_place_every_expert_once():
             if len(p.host):
                 assert d.free_bytes < eb  # nothing left on host that this device could still pin
         placed = [tuple(x) for d in p.devices for x in d.pinned.tolist()] + [tuple(x) for x in p.host.tolist()]
-        everything = {(l, e) for l in fp.moe_layers for e in range(fp.config.n_routed_experts)}
+        everything = {(l, e) for l in fp.run_moe_layers for e in range(fp.config.n_routed_experts)}
         assert len(placed) == len(set(placed)) == len(everything) and set(placed) == everything
-        if usage is not None and len(p.host) and len(p.host) < fp.routed_experts:
-            u = {(l, e): usage[i, e] for i, l in enumerate(fp.moe_layers) for e in range(usage.shape[1])}
+        if usage is not None and len(p.host) and len(p.host) < fp.run_experts:
+            u = {(l, e): usage[i, e] for i, l in enumerate(fp.run_moe_layers) for e in range(usage.shape[1])}
             pinned_min = min(u[tuple(x)] for d in p.devices for x in d.pinned.tolist())
             assert pinned_min >= max(u[tuple(x)] for x in p.host.tolist())
     assert planned > 50 and refused > 20  # both paths exercised
@@ -271,10 +311,11 @@ def test_split_experts_for_the_runtime():
     eb = fp.expert_bytes("fp8")
     caps = [100 * eb + 7, 3000 * eb, 0]
     a = split_experts(fp, caps, "fp8")
-    assert len(a.experts) == fp.routed_experts == 19_456
+    assert len(a.experts) == fp.run_experts == 19_200  # 75 MoE layers x 256; MTP layer 78's are not run
     assert np.bincount(a.owner[a.pinned], minlength=3).tolist() == [100, 3000, 0]
     shards = [set(map(tuple, a.shard(w).tolist())) for w in range(3)]
-    assert sum(map(len, shards)) == 19_456 and len(set().union(*shards)) == 19_456  # exactly one owner each
+    assert sum(map(len, shards)) == 19_200 and len(set().union(*shards)) == 19_200  # exactly one owner each
+    assert set(a.experts[:, 0].tolist()) == set(range(3, 78))
     # the unpinned remainder is spread so that the budgets (going negative) stay level
     left = np.array(caps) - np.bincount(a.owner, minlength=3) * eb
     assert left.max() - left.min() <= eb + 7
