@@ -98,14 +98,16 @@ class Worker:
     def stats(self) -> dict:
         """Memory figures of this worker (the soak and `generate --stats` read them). A cpu
         worker's device memory is its resident set. Experts are replicated: the worker holds
-        every routed expert, so each pick is served where it was made (hit rate 1, as
-        workers/expert_shard.py defines it)."""
+        every routed expert, all in host memory (numpy), so each pick is served where it was
+        made (hit rate 1, as workers/expert_shard.py defines it). The expert keys are
+        ShardedWorker.stats()'s, which the expert gauges read (cluster/metrics.py)."""
         rss = rss_bytes()
         cfg = self.model.config
         held = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * cfg.n_routed_experts
         return {"name": self.spec.name, "device": "cpu", "rss_bytes": rss,
                 "device_mem_bytes": rss, "kv_bytes": int(self.pool.bytes_in_use()),
-                "expert_pins": held, "expert_hit_rate": 1.0 if held else None}
+                "expert_pins": held, "expert_pins_device": 0, "expert_pins_host": held,
+                "expert_hit_rate": 1.0 if held else None}
 
     def step(self, batch: StepBatch) -> StepOutput:
         t0 = time.perf_counter()
@@ -177,13 +179,16 @@ def _rebuilds(pool) -> int:
 class WorkerGroup(Protocol):
     """What the scheduler drives: named workers with slot capacities, stepped in lockstep.
     `step_all` returns, per worker, its StepOutput or the exception its step raised;
-    `is_dead` says whether that exception means the worker is gone for good."""
+    `is_dead` says whether that exception means the worker is gone for good; `worker_stats`
+    returns the stats() dict of each live worker (the scheduler's expert gauges read them)."""
     names: list[str]
     capacities: list[int]
 
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]: ...
 
     def is_dead(self, worker: int, exc: BaseException) -> bool: ...
+
+    def worker_stats(self) -> list[dict]: ...
 
 
 class LocalGroup:
@@ -194,9 +199,12 @@ class LocalGroup:
         self.names = [w.spec.name for w in workers]
         self.capacities = [w.spec.slots for w in workers]
 
+    def worker_stats(self) -> list[dict]:
+        return [w.stats() for w in self.workers]
+
     @property
     def final_stats(self) -> list[dict]:
-        return [w.stats() for w in self.workers]
+        return self.worker_stats()
 
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         out: dict[int, StepOutput | Exception] = {}
@@ -231,6 +239,7 @@ class RayGroup:
         self.capacities = [spec.slots for spec, _ in placements]
         self.step_timeout_s = step_timeout_s
         self.hung: set[int] = set()  # workers killed because a step of theirs hung
+        self.dead: set[int] = set()  # those and the ones whose actor died under a step
         refs = [a.info.remote() for a in self.actors]
         self.info: list[dict | None] = []
         for name, ref in zip(self.names, refs):  # waits for the model loads
@@ -258,20 +267,35 @@ class RayGroup:
                 log.error("%s; killing it", r)
                 ray.kill(self.actors[i], no_restart=True)  # a hung one must not come back
                 self.hung.add(i)
+            if isinstance(r, (StepHung, ray.exceptions.RayActorError)):
+                self.dead.add(i)
         return out
 
     def is_dead(self, worker: int, exc: BaseException) -> bool:
         import ray
-        return worker in self.hung or isinstance(exc, ray.exceptions.RayActorError)
+        return worker in self.dead or isinstance(exc, ray.exceptions.RayActorError)
+
+    def worker_stats(self, timeout_s: float = 30.0) -> list[dict]:
+        """Worker.stats() of every worker not found dead by a step, asked all at once; one
+        that fails to answer within timeout_s (it died since its last step) is left out,
+        with a warning, so that the others' figures still come back."""
+        import ray
+        refs = {i: self.actors[i].stats.remote() for i in range(len(self.actors))
+                if i not in self.dead}
+        out = []
+        deadline = time.monotonic() + timeout_s
+        for i, ref in refs.items():
+            try:
+                out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+            except ray.exceptions.RayError as e:
+                why = str(e).strip().splitlines()
+                log.warning("worker %s: stats unavailable: %s%s", self.names[i],
+                            type(e).__name__, f": {why[0]}" if why else "")
+        return out
 
     def close(self) -> None:
         """Collects the live workers' stats (final_stats), then kills the actors."""
         import ray
-        self.final_stats = []
-        for a in self.actors:
-            try:
-                self.final_stats.append(ray.get(a.stats.remote(), timeout=30))
-            except ray.exceptions.RayError:  # a worker that died mid-job has none to give
-                continue
+        self.final_stats = self.worker_stats()
         for a in self.actors:
             ray.kill(a)
