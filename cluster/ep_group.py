@@ -45,8 +45,7 @@ class ShardedGroup:
     ping_timeout_s = 30.0  # a worker that does not answer a ping within this is gone
 
     def __init__(self, cfg: JobConfig, placements: list[Placement], sharded: bool = True,
-                 metrics: JobMetrics | None = None, start_timeout_s: float = 600.0,
-                 stats_every_s: float = 5.0):
+                 metrics: JobMetrics | None = None, start_timeout_s: float = 600.0):
         import ray
         from workers.ep_worker import ShardedWorker
         self.sharded = sharded
@@ -59,7 +58,6 @@ class ShardedGroup:
         self.owners, self.pinned, self.expert_bytes = split.owners, split.pinned, split.expert_bytes
         self.dead: set[int] = set()
         self.deaths = self.recoveries = self.experts_moved = 0
-        self.stats_every_s, self._stats_t = stats_every_s, 0.0
         self.final_stats: list[dict] = []  # worker_stats() as close() found them
         tag = uuid.uuid4().hex[:6]
         cls = ray.remote(concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS})(ShardedWorker)
@@ -118,7 +116,6 @@ class ShardedGroup:
             if pending:
                 log.warning("re-running the step on %s (their step failed part way)",
                             [self.names[i] for i in pending])
-        self._maybe_stats()
         return out
 
     def _run(self, batches: dict[int, StepBatch]) -> dict[int, Any]:
@@ -221,25 +218,12 @@ class ShardedGroup:
 
     # -- stats ----------------------------------------------------------------------------
     def worker_stats(self) -> list[dict]:
-        """ShardedWorker.stats() of every live worker."""
+        """ShardedWorker.stats() of every live worker (the scheduler's expert gauges read
+        them: cluster/metrics.py WorkerGauges). One that died since its last step makes it
+        raise; the death shows up at the next step."""
         import ray
         live = [i for i in range(len(self.actors)) if i not in self.dead]
         return ray.get([self.actors[i].stats.remote() for i in live])
-
-    def _maybe_stats(self) -> None:
-        now = time.monotonic()
-        if not self.metrics.enabled or now - self._stats_t < self.stats_every_s:
-            return
-        self._stats_t = now
-        import ray
-        try:
-            stats = self.worker_stats()
-        except ray.exceptions.RayError as e:  # a death shows up at the next step
-            log.warning("worker stats unavailable: %s", e)
-            return
-        for s in stats:
-            self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"],
-                                      s["expert_pins_host"])
 
     def close(self) -> None:
         import ray
@@ -252,8 +236,6 @@ class ShardedGroup:
                          s["expert_pins_device"], s["expert_pins_host"],
                          "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
                          s["served_picks"], s["host_picks"], s["rss_bytes"] / 1e6)
-                self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"],
-                                          s["expert_pins_host"])
         except ray.exceptions.RayError as e:
             log.warning("final worker stats unavailable: %s", e)
         for a in self.actors:

@@ -17,6 +17,8 @@
                                                  that the plan does not pin on its GPU)
     kvfleet_expert_hit_rate           Gauge      tag device: share of its routed picks served
                                                  by its own shard (workers/expert_shard.py)
+                                                 (the three expert gauges: WorkerGauges, every
+                                                 5 s and at the end of a run, for any group)
     kvfleet_worker_deaths             Counter    workers found dead during the job
     kvfleet_experts_moved             Counter    routed experts re-assigned after deaths
     kvfleet_requests_requeued         Counter    sequences re-run because their worker died
@@ -29,7 +31,12 @@ dict that tests read; with `enabled=False` they do nothing.
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections import defaultdict
+from typing import Callable
+
+log = logging.getLogger(__name__)
 
 TTFT_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -171,3 +178,44 @@ class JobMetrics:
         self.local[f"kv_cache[{event}]"] += n
         if self._ray:
             self._ray["kv_cache"].inc(n, tags={"event": event})
+
+
+class WorkerGauges:
+    """The expert gauges (kvfleet_expert_pins, _pins_host, _hit_rate) of every live worker,
+    from its stats() dict (workers/actor.py Worker.stats, workers/ep_worker.py): `tick()`
+    sets them at most every `every_s` seconds (the first call always), `close()` once more.
+    The scheduler drives one for any worker group (cluster/scheduler.py). The figures are
+    pulled, one stats call per worker, rather than sent with every step: a step's output
+    stays what the step needs, and the gauges cost one round trip per interval.
+
+    `stats` returns the live workers' dicts. Where it raises (a worker that died since its
+    last step, a stats call that failed) the gauges keep their last values, a warning says
+    why, and the job goes on: the gauges are a side channel and never fail the job."""
+
+    def __init__(self, metrics: JobMetrics, stats: Callable[[], list[dict]], every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.metrics, self.stats, self.every_s, self.clock = metrics, stats, every_s, clock
+        self._last: float | None = None
+
+    def tick(self) -> None:
+        if not self.metrics.enabled:
+            return  # (no stats call at all)
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every_s:
+            return
+        self._last = now
+        self._update()
+
+    def close(self) -> None:
+        if self.metrics.enabled:
+            self._update()
+
+    def _update(self) -> None:
+        try:
+            stats = self.stats()
+        except Exception as e:  # whatever failed, the job must not (see the class docstring)
+            log.warning("worker stats unavailable, the expert gauges keep their last values: %r", e)
+            return
+        for s in stats:
+            self.metrics.expert_stats(s["name"], s["expert_pins"], s["expert_hit_rate"],
+                                      s["expert_pins_host"])

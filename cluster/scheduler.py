@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from cluster.metrics import JobMetrics
+from cluster.metrics import JobMetrics, WorkerGauges
 from cluster.requests import Request, Result, request_digest
 from workers.actor import StepBatch, StepOutput, WorkerGroup
 
@@ -105,6 +105,9 @@ class Scheduler:
         self.metrics = metrics or JobMetrics(enabled=False)
         self.clock = clock
         self.stats = SchedulerStats()
+        # driven here for every kind of group, as the other gauges are (no group needs
+        # metrics of its own); looked up per call: with metrics off it is never called
+        self.gauges = WorkerGauges(self.metrics, lambda: self.group.worker_stats(), clock=clock)
         self._next_key = 0
         # slots to free in this iteration's release-only step / with the worker's next batch
         # (_release_now decides), and of each the keys of failed sequences: KV not saved
@@ -146,6 +149,7 @@ class Scheduler:
             self._emit(on_result)
             wall = self.clock() - t_iter
             self._account(outs, wall, wall - (t1 - t0), n_tok, n_prompt)
+            self.gauges.tick()
         # the slots left for a next batch that will not come (their Results are out already)
         for w in range(len(self.group.names)):
             self._release[w] += self._later[w]
@@ -157,6 +161,7 @@ class Scheduler:
         # the gauges say what is in flight now (nothing), not what the last step had
         self.metrics.queue(len(waiting), 0)
         self.metrics.step(0, 0.0)
+        self.gauges.close()
         return self.stats
 
     # -- failures -----------------------------------------------------------------------

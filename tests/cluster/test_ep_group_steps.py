@@ -78,7 +78,7 @@ def _group_of(ray, actors, names):
     g.capacities, g.owners, g.dead = [1] * len(actors), [{}] * len(actors), set()
     g.pinned = [{}] * len(actors)
     g.deaths = g.recoveries = g.experts_moved = 0
-    g.stats_every_s, g._stats_t, g.final_stats = 5.0, 0.0, []
+    g.final_stats = []
     return g
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from cluster.jobs.generate import run_generate
-from cluster.metrics import JobMetrics
 from cluster.requests import read_requests
 from cluster.scheduler import Scheduler
 from fleet_cluster import HAS_MLX, fleet_yaml, start_cluster, stop_cluster
@@ -173,7 +172,7 @@ def test_three_node_fleet_sharded_matches_single_worker(tiny, tmp_path, referenc
             results = []
             sched = Scheduler(group, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
                               eos_ids=_eos(tok, mcfg), decode=tok.decode, tier=cfg.kv,
-                              metrics=JobMetrics(enabled=False))
+                              metrics=group.metrics)  # (as the generate job does)
             admitted = []
             orig = sched._admit
 
@@ -209,7 +208,7 @@ def test_three_node_fleet_sharded_matches_single_worker(tiny, tmp_path, referenc
                     assert b["served_picks"] > a["served_picks"] and b["local_picks"] == a["local_picks"]
         finally:
             close()
-        for s in stats:  # the gauges, as the last stats call at close() left them
+        for s in stats:  # the gauges, as the scheduler's stats call at its run's end left them
             assert group.metrics.local[f"expert_pins[{s['name']}]"] == s["expert_pins"]
             assert 0 < group.metrics.local[f"expert_hit_rate[{s['name']}]"] < 1
     finally:
