@@ -1,6 +1,13 @@
 """Job metrics, exported through ray.util.metrics (Prometheus via the Ray metrics agent).
 
-    kvfleet_tokens_generated          Counter    tokens sampled (EOS included)
+    kvfleet_tokens_generated          Counter    tokens sampled (EOS included): a work rate, so
+                                                 the tokens of a sequence re-run after its worker
+                                                 died count again when re-sampled (the job's
+                                                 SchedulerStats.tokens counts each delivered token
+                                                 once)
+    kvfleet_tokens_rerun              Counter    of those, tokens lost with a dead worker's KV
+                                                 (SchedulerStats.rerun_tokens): generated minus
+                                                 rerun is the tokens delivered
     kvfleet_decode_tokens_per_s       Gauge      tokens of the last decode-only step / its wall
                                                  time (steps with prefill rows leave it)
     kvfleet_time_to_first_token_s     Histogram  admission -> first sampled token
@@ -55,6 +62,7 @@ class JobMetrics:
             from ray.util import metrics as m
             self._ray = {
                 "tokens": m.Counter("kvfleet_tokens_generated", "tokens sampled"),
+                "rerun": m.Counter("kvfleet_tokens_rerun", "tokens lost with a dead worker"),
                 "tps": m.Gauge("kvfleet_decode_tokens_per_s", "tokens per second, last decode step"),
                 "ttft": m.Histogram("kvfleet_time_to_first_token_s", "admission to first token",
                                     boundaries=TTFT_BOUNDARIES),
@@ -80,7 +88,7 @@ class JobMetrics:
             # and rate() miss that first step (a job's only worker death read as 0): the
             # untagged counters start on the endpoint at 0. (Counter.inc refuses 0; _record
             # is what it calls.)
-            for k in ("tokens", "deaths", "moved", "requeued"):
+            for k in ("tokens", "rerun", "deaths", "moved", "requeued"):
                 record = getattr(self._ray[k], "_record", None)
                 if record is not None:
                     record(0)
@@ -154,16 +162,20 @@ class JobMetrics:
             if hit_rate is not None:
                 self._ray["hit"].set(hit_rate, tags={"device": device})
 
-    def worker_died(self, requeued: int) -> None:
-        """A worker found dead; `requeued` of its sequences go back to the queue."""
+    def worker_died(self, requeued: int, lost_tokens: int = 0) -> None:
+        """A worker found dead; `requeued` of its sequences go back to the queue, and the
+        `lost_tokens` they had sampled died with its KV."""
         if not self.enabled:
             return
         self.local["worker_deaths"] += 1
         self.local["requests_requeued"] += requeued
+        self.local["tokens_rerun"] += lost_tokens
         if self._ray:
             self._ray["deaths"].inc(1)
             if requeued:
                 self._ray["requeued"].inc(requeued)
+            if lost_tokens:
+                self._ray["rerun"].inc(lost_tokens)
 
     def experts_moved(self, n: int) -> None:
         if not self.enabled or n <= 0:

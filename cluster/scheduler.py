@@ -56,6 +56,7 @@ class _Seq:
     prefilled: int = 0  # prompt tokens already in the worker's KV
     cached: int = 0  # of which loaded from the sequence's saved KV
     out: list[int] = field(default_factory=list)
+    decode_sampled: int = 0  # of its sampled tokens, those sampled in decode-only steps
     t_first: float | None = None
     t_last: float | None = None
 
@@ -69,15 +70,21 @@ class SchedulerStats:
     steps: int = 0
     wall_s: float = 0.0  # whole iterations (admission, batches, step, results)
     forward_s: float = 0.0  # per step, the slowest worker's forward time
-    tokens: int = 0  # generated tokens (EOS included)
+    # generated tokens (EOS included) of the sequences that delivered them: each token
+    # once, not again when a dead worker's sequence re-samples it on a survivor
+    tokens: int = 0
     decode_steps: int = 0  # steps with no prompt tokens in them
     decode_wall_s: float = 0.0
     decode_forward_s: float = 0.0
     decode_driver_s: float = 0.0  # the scheduler's own Python: admission, batches, results
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # of `tokens`, those sampled in decode steps
     worker_deaths: int = 0  # workers found dead (the soak's "kills")
     recoveries: int = 0  # deaths after which the job went on with live workers
     requeued: int = 0  # sequences re-run from their prompts after their worker died
+    # tokens those sequences had sampled, lost with the dead worker's KV: the work redone
+    # (where no worker is left, the requests fail instead). tokens + rerun_tokens is every
+    # token sampled, what kvfleet_tokens_generated counts (cluster/metrics.py)
+    rerun_tokens: int = 0
     kv_cache: dict[str, int] = field(default_factory=dict)  # saved-KV counts (workers/persist.py)
     kv_bytes_peak: int = 0  # most KV pool bytes held at once, summed over workers
     fallbacks: dict[str, int] = field(default_factory=dict)  # path -> count (workers/fallbacks.py)
@@ -144,7 +151,7 @@ class Scheduler:
                 self._recover(failed, batches, waiting, active)
                 outs = {w: o for w, o in outs.items() if w not in failed}
             t1 = self.clock()
-            n_tok = self._apply(outs, sampled, active)
+            n_tok = self._apply(outs, sampled, active, decode=n_prompt == 0)
             self._flush_releases(waiting, active)
             self._emit(on_result)
             wall = self.clock() - t_iter
@@ -169,8 +176,9 @@ class Scheduler:
                  waiting: deque, active: list[_Seq]) -> None:
         """A dead worker's sequences go back to the front of the queue and are re-run from
         their prompts elsewhere (sampling is stateless per (seed, token index), so the
-        re-run gives the same tokens). A live worker whose step raised fails only the
-        sequences of that step, and their slots are released."""
+        re-run gives the same tokens); the tokens they had sampled move from stats.tokens to
+        stats.rerun_tokens, as their re-run samples them again. A live worker whose step
+        raised fails only the sequences of that step, and their slots are released."""
         dead = {w for w, exc in failed.items() if self.group.is_dead(w, exc)}
         self._dead |= dead  # all of this step's deaths before any counts as recovered
         live = any(c > 0 for i, c in enumerate(self.group.capacities)
@@ -185,11 +193,16 @@ class Scheduler:
                 self._later[w], self._later_discard[w] = [], []
                 log.warning("worker %s died (%s); re-queueing its %d sequences: %s",
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
-                self.stats.worker_deaths += 1
-                self.stats.recoveries += live
+                lost = sum(len(s.out) for s in mine)  # (a running sequence's out: all it sampled)
+                st = self.stats
+                st.worker_deaths += 1
+                st.recoveries += live
                 # (re-run only where a worker is left: else they fail below, not re-run)
-                self.stats.requeued += len(mine) if live else 0
-                self.metrics.worker_died(len(mine) if live else 0)
+                st.requeued += len(mine) if live else 0
+                st.tokens -= lost
+                st.decode_tokens -= sum(s.decode_sampled for s in mine)
+                st.rerun_tokens += lost
+                self.metrics.worker_died(len(mine) if live else 0, lost)
                 for s in reversed(mine):
                     waiting.appendleft(s.item)
             else:
@@ -287,7 +300,8 @@ class Scheduler:
             sampled[s.worker].append(s)
 
     # -- results ------------------------------------------------------------------------
-    def _apply(self, outs: dict[int, StepOutput], sampled, active: list[_Seq]) -> int:
+    def _apply(self, outs: dict[int, StepOutput], sampled, active: list[_Seq],
+               decode: bool) -> int:
         now = self.clock()
         finished: list[_Seq] = []
         n_tok = 0
@@ -299,6 +313,7 @@ class Scheduler:
         for w, out in outs.items():
             for s, tok in zip(sampled[w], out.next_tokens.tolist()):
                 n_tok += 1
+                s.decode_sampled += decode
                 if s.t_first is None:
                     s.t_first = now
                     if s.item.req.line not in self._ttft_lines:  # once, not again when re-run

@@ -263,6 +263,34 @@ def test_rerun_requests_count_one_first_token_each():
     assert len(results) == 16 and m.local["ttft_count"] == 16
 
 
+@pytest.mark.parametrize("survivor, at", [(True, 12), (False, 30)])
+def test_tokens_a_dead_worker_took_with_it_count_apart(survivor, at):
+    """The victims die after their sequences sampled tokens (a real death on Ray:
+    test_ray_group_death.py). stats.tokens counted those tokens, and again when the re-run
+    sampled them; now it counts what the results deliver and rerun_tokens the lost ones
+    (where nobody is left to re-run them too: those requests fail with no tokens)."""
+    class Dies(FailingGroup):
+        def step_all(self, batches):
+            out = super().step_all(batches)
+            if not survivor and self.steps == self.at:
+                out = {w: RuntimeError("actor died") for w in out}
+            return out
+
+    items = [prep(i, p, seed=i) for i, p in enumerate(prompts())]
+    group = Dies(make_group([3, 3]).workers, victim=1, at=at, dies=True)
+    m, results = JobMetrics(use_ray=False), []
+    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32", metrics=m).run(items, results.append)
+    assert len(results) == 16 and stats.worker_deaths == (1 if survivor else 2)
+    assert any(r.error for r in results) != survivor
+    delivered = sum(r.completion_token_count + (r.finish_reason == "stop") for r in results)
+    assert stats.tokens == delivered and 0 < stats.decode_tokens < stats.tokens
+    assert any(not r.error for r in results)  # (some had ended before the deaths)
+    assert stats.rerun_tokens > 0
+    assert m.local["tokens_generated"] == stats.tokens + stats.rerun_tokens  # every one sampled
+    assert m.local["tokens_rerun"] == stats.rerun_tokens
+
+
 def test_failed_step_fails_only_that_workers_sequences():
     items = [prep(i, p) for i, p in enumerate(prompts())]
     ref, _ = run(make_group([8]), items)
