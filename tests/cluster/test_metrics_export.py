@@ -85,7 +85,7 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
         JobMetrics(use_ray=True)
         _wait_for(port, lambda g: all(g.get(f"ray_kvfleet_{n}_total") == 0 for n in (
             "worker_deaths", "requests_requeued", "experts_moved", "tokens_generated",
-            "kv_cache")), "the counters at 0")
+            "tokens_rerun", "kv_cache")), "the counters at 0")
         # (and the fallbacks at every declared path: workers/fallbacks.py)
         from workers.fallbacks import FALLBACK_PATHS
         _wait_for(port, lambda g: g == dict.fromkeys(FALLBACK_PATHS, 0.0),
@@ -111,13 +111,24 @@ def test_prometheus_endpoint_has_every_dashboard_metric(tmp_path, monkeypatch):
         _kill_one_worker_at_step(monkeypatch, 4, killed)  # (the job takes 100+ steps)
         summary = run_generate(cfg, prompts, tmp_path / "killed.parquet")
         assert killed and killed[0] is not None, "the worker was not killed mid-job"
-        assert len(pq.read_table(tmp_path / "killed.parquet")) == 24
+        rows = pq.read_table(tmp_path / "killed.parquet").to_pylist()
+        assert len(rows) == 24
+        # the job's tokens: each delivered one once; the counter: every one sampled, the
+        # dead worker's lost ones too, which kvfleet_tokens_rerun has apart
+        killed_tokens = sum(r["completion_token_count"] + (r["finish_reason"] == "stop")
+                            for r in rows)
+        lost = summary.stats.rerun_tokens
+        assert summary.stats.tokens == killed_tokens and lost > 0
         RatioGauge().publish({"throughput_tok_s": 100.0}, {"throughput_tok_s": 97.0})
         FailedRoundsCounter(["A", "B"]).failed("B")
         want = _dashboard_metrics()
+        sampled = parquet_tokens + killed_tokens + lost  # (both jobs')
         got = _wait_for(port, lambda g: not (want - set(g)) and "ray_kvfleet_soak_ratio" in g
-                        and g["ray_kvfleet_soak_failed_rounds_total"] == 1,
-                        f"every dashboard metric: {sorted(want)}")
+                        and g["ray_kvfleet_soak_failed_rounds_total"] == 1
+                        and g.get("ray_kvfleet_tokens_generated_total") == sampled
+                        and g.get("ray_kvfleet_tokens_rerun_total") == lost,
+                        f"every dashboard metric: {sorted(want)}, {sampled} tokens sampled, "
+                        f"{lost} of them lost with the dead worker")
         assert got["ray_kvfleet_worker_deaths_total"] == 1
         assert got["ray_kvfleet_requests_requeued_total"] == summary.stats.requeued >= 1
         assert got["ray_kvfleet_experts_moved_total"] >= 1
