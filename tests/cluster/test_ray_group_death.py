@@ -11,7 +11,6 @@ import os
 import signal
 
 import numpy as np
-import pytest
 
 from cluster.metrics import JobMetrics
 from cluster.scheduler import Scheduler
@@ -21,14 +20,6 @@ from workers.tokenizer import Tokenizer
 
 N = 8
 KILL_AFTER = 4  # the victim's sequences sampled a token in each of these steps
-
-
-@pytest.fixture(scope="module")
-def ray():
-    import ray
-    ray.init(address="local", num_cpus=2, include_dashboard=False)  # (never a running cluster)
-    yield ray
-    ray.shutdown()
 
 
 def items():

@@ -9,7 +9,6 @@ import signal
 import time
 
 import numpy as np
-import pytest
 
 from cluster.scheduler import Scheduler
 from runtime_helpers import prepared
@@ -17,14 +16,6 @@ from workers.actor import LocalGroup, RayGroup, Worker, WorkerSpec
 from workers.tokenizer import Tokenizer
 
 N = 8
-
-
-@pytest.fixture(scope="module")
-def ray():
-    import ray
-    ray.init(address="local", num_cpus=2, include_dashboard=False)  # (never a running cluster)
-    yield ray
-    ray.shutdown()
 
 
 def items():
