@@ -219,25 +219,21 @@ class ShardedGroup:
     # -- stats ----------------------------------------------------------------------------
     def worker_stats(self) -> list[dict]:
         """ShardedWorker.stats() of every live worker (the scheduler's expert gauges read
-        them: cluster/metrics.py WorkerGauges). One that died since its last step makes it
-        raise; the death shows up at the next step."""
-        import ray
-        live = [i for i in range(len(self.actors)) if i not in self.dead]
-        return ray.get([self.actors[i].stats.remote() for i in live])
+        them: cluster/metrics.py WorkerGauges). One that died since its last step is left
+        out with a warning (workers/actor.gather_stats); the death shows up at the next step."""
+        from workers.actor import gather_stats
+        return gather_stats(self.actors, self.names, self.dead)
 
     def close(self) -> None:
         import ray
-        try:
-            self.final_stats = self.worker_stats()
-            for s in self.final_stats:
-                log.info("worker %s (%s): %d experts held, %d on the GPU and %d in host memory, "
-                         "hit rate %s, %d picks served for peers, %d picks computed on the host, "
-                         "rss %.0f MB", s["name"], s["device"], s["expert_pins"],
-                         s["expert_pins_device"], s["expert_pins_host"],
-                         "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
-                         s["served_picks"], s["host_picks"], s["rss_bytes"] / 1e6)
-        except ray.exceptions.RayError as e:
-            log.warning("final worker stats unavailable: %s", e)
+        self.final_stats = self.worker_stats()  # (the live workers': one gone is left out)
+        for s in self.final_stats:
+            log.info("worker %s (%s): %d experts held, %d on the GPU and %d in host memory, "
+                     "hit rate %s, %d picks served for peers, %d picks computed on the host, "
+                     "rss %.0f MB", s["name"], s["device"], s["expert_pins"],
+                     s["expert_pins_device"], s["expert_pins_host"],
+                     "-" if s["expert_hit_rate"] is None else f"{s['expert_hit_rate']:.3f}",
+                     s["served_picks"], s["host_picks"], s["rss_bytes"] / 1e6)
         for a in self.actors:
             ray.kill(a)
 

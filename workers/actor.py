@@ -191,6 +191,24 @@ class WorkerGroup(Protocol):
     def worker_stats(self) -> list[dict]: ...
 
 
+def gather_stats(actors: list, names: list[str], dead, timeout_s: float = 30.0) -> list[dict]:
+    """stats() of every actor not in `dead`, asked all at once; one that fails to answer
+    within timeout_s (it died since its last step) is left out with a warning, so that the
+    others' figures still come back (RayGroup, cluster/ep_group.py ShardedGroup)."""
+    import ray
+    refs = {i: actors[i].stats.remote() for i in range(len(actors)) if i not in dead}
+    out = []
+    deadline = time.monotonic() + timeout_s
+    for i, ref in refs.items():
+        try:
+            out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+        except ray.exceptions.RayError as e:
+            why = str(e).strip().splitlines()
+            log.warning("worker %s: stats unavailable: %s%s", names[i], type(e).__name__,
+                        f": {why[0]}" if why else "")
+    return out
+
+
 class LocalGroup:
     """Workers in this process (tests, benchmarks, `workers.runtime: inprocess`)."""
 
@@ -276,22 +294,8 @@ class RayGroup:
         return worker in self.dead or isinstance(exc, ray.exceptions.RayActorError)
 
     def worker_stats(self, timeout_s: float = 30.0) -> list[dict]:
-        """Worker.stats() of every worker not found dead by a step, asked all at once; one
-        that fails to answer within timeout_s (it died since its last step) is left out,
-        with a warning, so that the others' figures still come back."""
-        import ray
-        refs = {i: self.actors[i].stats.remote() for i in range(len(self.actors))
-                if i not in self.dead}
-        out = []
-        deadline = time.monotonic() + timeout_s
-        for i, ref in refs.items():
-            try:
-                out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
-            except ray.exceptions.RayError as e:
-                why = str(e).strip().splitlines()
-                log.warning("worker %s: stats unavailable: %s%s", self.names[i],
-                            type(e).__name__, f": {why[0]}" if why else "")
-        return out
+        """Worker.stats() of every worker not found dead by a step (gather_stats)."""
+        return gather_stats(self.actors, self.names, self.dead, timeout_s)
 
     def close(self) -> None:
         """Collects the live workers' stats (final_stats), then kills the actors."""
