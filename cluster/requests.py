@@ -72,6 +72,13 @@ class Result:
         return cls(id=bad.id, line=bad.line, prompt=bad.prompt, error=bad.error, tier=tier)
 
     @property
+    def runtime_error(self) -> bool:
+        """An error row made at run time (the scheduler's: a worker's step raised, no live
+        worker was left), not an input error (Result.failed: the line's own fault, the only
+        rows without a request_digest)."""
+        return self.finish_reason == "error" and self.request_digest is not None
+
+    @property
     def key(self) -> str:
         """What makes a row 'done' for a resumed job: the id, or the line without one."""
         return result_key(self.id, self.line)

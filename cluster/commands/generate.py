@@ -6,6 +6,19 @@
 Config: configs/generate.yaml (or --config) < environment (KV8, KV_TQ, KVFLEET_*) < flags.
 With RAY_ADDRESS set (as under `ray job submit`) it joins that cluster, otherwise it starts
 a local Ray; --inprocess runs without Ray. Rerunning with the same --out resumes.
+
+Exit status (what `ray job submit` reports as SUCCEEDED or FAILED):
+    0    every row finished (stop, length) or is an input error: a line that is not a valid
+         request (bad JSON, an empty prompt, a token outside the vocabulary...) gets an
+         error row, which is the data's fault, not the job's
+    1    some rows failed at run time (a worker's step raised, or no live worker was left):
+         they are in OUT as error rows and a rerun with the same --out runs them again; or
+         the job itself crashed (a traceback)
+    2    a usage error: a bad flag, file or config value (one line, no traceback)
+    143  stopped by SIGTERM before it joined Ray (in-process, or while starting): the
+         finished rows are kept for a rerun to resume. Once it has joined Ray, Ray's own
+         driver handler ends it on SIGTERM with status 15, unwinding the same way.
+    130  Ctrl-C (cluster/cli.py), the finished rows kept the same way.
 """
 from __future__ import annotations
 
@@ -88,6 +101,13 @@ def run(args) -> int:
     print(summary.line())
     if args.stats is not None:
         write_stats(summary, cfg, args.stats)
+    if summary.runtime_errors:  # (the job did not do its work: `ray job submit` says FAILED)
+        print(f"kvfleet generate: {summary.runtime_errors} of {summary.done} rows failed at run "
+              f"time (a worker's step raised or no live worker was left; see the log); they "
+              f"are kept in {args.out} as error rows, and a rerun with the same --out runs "
+              f"them again (every error row is redone, finished rows are skipped)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -112,7 +132,8 @@ def write_stats(summary, cfg, path: Path) -> None:
     import json
     st = summary.stats
     doc = dict(dataclasses.asdict(st), tier=cfg.kv, rows=summary.done, errors=summary.errors,
-               skipped=summary.skipped, job_wall_s=summary.wall_s,
+               runtime_errors=summary.runtime_errors, skipped=summary.skipped,
+               job_wall_s=summary.wall_s,
                decode_tokens_per_s=st.decode_tokens_per_s,
                overhead_per_decode_step_s=st.overhead_per_decode_step_s,
                workers=summary.workers)

@@ -36,6 +36,8 @@ class Summary:
     out: Path
     done: int  # rows written by this run
     errors: int  # of which error rows
+    runtime_errors: int  # of which made at run time (a worker's step raised, no live worker
+    # was left), not from the input line: the job failed to serve them (exit status 1)
     skipped: int  # keys an earlier run finished
     tokens: int
     wall_s: float
@@ -45,7 +47,8 @@ class Summary:
 
     def line(self) -> str:
         tps = self.stats.tokens / self.stats.wall_s if self.stats.wall_s else 0.0
-        return (f"{self.done} rows ({self.errors} errors, {self.skipped} skipped as done) -> "
+        return (f"{self.done} rows ({self.errors} errors, {self.runtime_errors} of them at run "
+                f"time, {self.skipped} skipped as done) -> "
                 f"{self.out}; {self.tokens} tokens in {self.wall_s:.1f}s, {tps:.1f} tok/s in "
                 f"steps, scheduler overhead {1e3 * self.stats.overhead_per_decode_step_s:.2f} "
                 f"ms per decode step")
@@ -106,12 +109,13 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         log.warning("%s: 'cache' fields are ignored: KV cache persistence is off (set "
                     "kv_cache_dir, KVFLEET_KV_CACHE_DIR or --kv-cache-dir)", prompts)
     bar = Progress(len(errors) + len(items), cfg.progress_every_s, tty=progress)
-    written = {"n": 0, "errors": 0}
+    written = {"n": 0, "errors": 0, "runtime": 0}
 
     def emit(r: Result) -> None:
         store.add(r)
         written["n"] += 1
         written["errors"] += r.finish_reason == "error"
+        written["runtime"] += r.runtime_error
         bar.update(r.completion_token_count)
 
     for bad in errors:
@@ -136,8 +140,9 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     if stats.kv_cache:
         log.info("KV cache %s: %s", cfg.kv_cache_dir,
                  ", ".join(f"{k} {v}" for k, v in sorted(stats.kv_cache.items())))
-    s = Summary(Path(out), written["n"], written["errors"], skipped, stats.tokens,
-                time.perf_counter() - t0, stats, list(getattr(group, "final_stats", [])))
+    s = Summary(Path(out), written["n"], written["errors"], written["runtime"], skipped,
+                stats.tokens, time.perf_counter() - t0, stats,
+                list(getattr(group, "final_stats", [])))
     log.info("generate: %s", s.line())
     return s
 

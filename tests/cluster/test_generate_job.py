@@ -394,3 +394,58 @@ def test_lines_without_a_seed_sample_apart_and_reproducibly(tiny, tmp_path):
     got = [tuple(runs[0][f"d{i}"]["completion_tokens"]) for i in range(4)]
     assert len(set(got)) > 1, got  # (4 equal completions before)
     assert all(runs[0][k]["completion_tokens"] == runs[1][k]["completion_tokens"] for k in runs[0])
+
+
+def test_rows_failed_at_run_time_exit_1_and_a_rerun_redoes_them(tiny, tmp_path, capsys,
+                                                                monkeypatch, reference):
+    """A worker's step raised (its third; the sequences in it fail as error rows): `kvfleet
+    generate` still exited 0, so `ray job submit` reported SUCCEEDED for a job whose rows
+    were errors. Now it exits 1 and says on stderr how many rows failed at run time, where
+    they are and that a rerun redoes them; the summary line and --stats count them apart
+    from input errors, which alone still exit 0 (the data's fault, not the job's)."""
+    from cluster.cli import main
+    from workers.actor import Worker
+    lines = prompt_lines(N)
+    lines.insert(3, json.dumps({"id": "e", "prompt": ""}))  # line 4: an input error
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {tiny}\nslots: 4\nmax_context: 64\nprefill_chunk: 16\n"
+                   "workers: {runtime: inprocess}\n")
+    out, stats = tmp_path / "out.parquet", tmp_path / "stats.json"
+    argv = ["generate", "--prompts", str(prompts), "--out", str(out), "--config", str(cfg),
+            "--stats", str(stats)]
+    step, calls = Worker.step, []
+
+    def failing(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return step(self, batch)
+
+    monkeypatch.setattr(Worker, "step", failing)
+    code = main(argv)
+    monkeypatch.undo()
+    std = capsys.readouterr()
+    rows = rows_by_id(out)
+    broken = sorted(k for k, r in rows.items()
+                    if (r["error"] or "").startswith("worker step failed: RuntimeError('CUDA"))
+    n = len(broken)
+    assert 1 <= n < N and len(rows) == N + 1, rows
+    assert code == 1, std.err[-2000:]
+    assert (f"kvfleet generate: {n} of {N + 1} rows failed at run time" in std.err
+            and f"kept in {out} as error rows" in std.err
+            and "a rerun with the same --out runs them again" in std.err), std.err[-2000:]
+    assert f"{N + 1} rows ({n + 1} errors, {n} of them at run time, 0 skipped" in std.out
+    doc = json.loads(stats.read_text())
+    assert doc["runtime_errors"] == n and doc["errors"] == n + 1 and doc["rows"] == N + 1
+
+    code = main(argv)  # the rerun redoes the failed rows (and the input error, again)
+    std = capsys.readouterr()
+    assert code == 0, std.err[-2000:]
+    assert "failed at run time" not in std.err
+    assert f"{n + 1} rows (1 errors, 0 of them at run time, {N - n} skipped" in std.out
+    rows = rows_by_id(out)
+    assert rows["e"]["finish_reason"] == "error" and rows["e"]["error"].startswith("line 4:")
+    same_completions(rows, reference)
+    assert json.loads(stats.read_text())["runtime_errors"] == 0
+
