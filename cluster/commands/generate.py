@@ -85,10 +85,8 @@ def run(args) -> int:
     if args.stats is not None and args.stats.is_dir():  # (found only after the whole run)
         raise UsageError(f"--stats {args.stats}: is a directory; give the JSON file to write, "
                          f"e.g. {args.stats / 'stats.json'}")
-    if not args.out.is_absolute() and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
-        log.warning("--out %s is relative: under `ray job submit` it lands in the job's copy "
-                    "of the working dir (%s) on the head node; give an absolute path on "
-                    "shared storage to keep it", args.out, Path.cwd())
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:  # (under `ray job submit`)
+        _warn_job_copy_paths(args, cfg)
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         summary = run_generate(cfg, args.prompts, args.out.resolve(), limit=args.limit)
@@ -109,6 +107,24 @@ def run(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _warn_job_copy_paths(args, cfg) -> None:
+    """Paths that land in the job's copy of the working dir (the cwd under `ray job submit`):
+    a temporary copy that Ray removes once unused (a later job shipping other files gets
+    another), so what is written there is lost, or not found by the next job."""
+    here = Path.cwd()
+    if not args.out.is_absolute():
+        log.warning("--out %s is relative: under `ray job submit` it lands in the job's copy "
+                    "of the working dir (%s) on the head node; give an absolute path on "
+                    "shared storage to keep it", args.out, here)
+    d = cfg.kv_cache_dir  # (made absolute against the cwd: a relative one lies inside it)
+    if d is not None and (d.is_relative_to(here) or d.resolve().is_relative_to(here.resolve())):
+        log.warning("kv_cache_dir %s is relative or lies inside the job's copy of the working "
+                    "dir (%s): under `ray job submit` that copy is temporary (Ray removes it "
+                    "once unused; a later job shipping other files gets another), so the saved "
+                    "KV is lost; give --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:` "
+                    "an absolute path outside it, on storage that persists", d, here)
 
 
 class Stopped(BaseException):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -449,3 +450,47 @@ def test_rows_failed_at_run_time_exit_1_and_a_rerun_redoes_them(tiny, tmp_path, 
     same_completions(rows, reference)
     assert json.loads(stats.read_text())["runtime_errors"] == 0
 
+
+@pytest.mark.parametrize("given, warned", [
+    ("cache", True),                # relative: made absolute against the job's copy
+    ("../cache", True),             # relative too (next to the copy, in Ray's session dir)
+    ("{job}/sub/cache", True),      # absolute, inside the copy
+    ("{link}/cache", True),         # through a link into the copy
+    ("{keep}/cache", False),        # absolute, outside it
+])
+def test_kv_cache_dir_in_the_jobs_copy_of_the_working_dir_warns(tiny, tmp_path, monkeypatch,
+                                                                 caplog, given, warned):
+    """Under `ray job submit` the cwd is the job's temporary copy of the working dir: a
+    kv_cache_dir there (a relative one lands there) loses the saved KV, as a relative --out
+    loses the results, which already warned. Both are said, the cache dir from the flag or
+    the variable; outside `ray job submit` nothing is."""
+    from cluster.cli import main
+    job, keep = tmp_path / "job", tmp_path / "keep"
+    job.mkdir()
+    (tmp_path / "link").symlink_to(job)
+    path = given.format(job=job, keep=keep, link=tmp_path / "link")
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    monkeypatch.chdir(job)
+    argv = ["generate", "--prompts", str(prompts), "--model", str(tiny), "--inprocess",
+            "--max-tokens", "2", "--out", str(tmp_path / "o.parquet")]
+    said = "is relative or lies inside the job's copy of the working dir"
+    for job_env, flag in ((True, True), (True, False), (False, True)):
+        caplog.clear()
+        with monkeypatch.context() as m:
+            if job_env:
+                m.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+            if flag:
+                args = argv + ["--kv-cache-dir", path]
+            else:
+                m.setenv("KVFLEET_KV_CACHE_DIR", path)
+                args = argv
+            with caplog.at_level("WARNING"):
+                assert main(args) == 0
+        hit = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+        assert bool(hit) == (warned and job_env), (job_env, flag, caplog.text)
+        assert not hit or f"dir ({Path.cwd()}): under `ray job submit`" in hit[0]
+    caplog.clear()
+    with monkeypatch.context() as m, caplog.at_level("WARNING"):  # the --out one: as before
+        m.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+        assert main(argv[:-1] + ["o.parquet"]) == 0
+    assert "--out o.parquet is relative" in caplog.text
