@@ -11,7 +11,8 @@ section that only the soak reads.
                                      # with temperature > 0 in either arm is not compared)
         max_lost_requests: 0         # requests with no result (e.g. after a worker kill)
         max_errors: null             # error rows per round
-        max_failed_rounds: 0         # rounds whose generate run exited non-zero or timed out
+        max_failed_rounds: 0         # rounds whose generate run exited non-zero or timed out,
+                                     # or left rows that failed at run time
 
     null turns a rule off. An enabled rule with nothing to check fails (missing data never
     passes: no measured throughput ratio, no greedy prompt-round compared, parity not

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from cluster.soak.summary import completed, describe_returncode, failed  # noqa: E402
+from cluster.soak.summary import completed, describe_failure, failed  # noqa: E402
 
 COLORS = {"A": "#1f77b4", "B": "#d62728"}
 
@@ -67,7 +67,7 @@ def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
     for arm, r in rounds.groupby("arm"):
         ax.barh(arm, r.end_s - r.start_s, left=r.start_s - t0, color=COLORS.get(arm), alpha=0.5)
     bad = failed(rounds)
-    if len(bad):  # outlined and hatched: the round's run exited non-zero or timed out
+    if len(bad):  # outlined and hatched: the round failed (cluster/soak/runner.py)
         ax.barh(bad.arm, bad.end_s - bad.start_s, left=bad.start_s - t0, fill=False,
                 edgecolor="#b00", hatch="xx", lw=1.5, label="failed round")
     if not faults.empty:
@@ -85,13 +85,15 @@ def _failed_rounds(summary: dict) -> str:
     if failed is None:
         return ""
     if not failed:
-        return "<h2>failed rounds</h2><p>none: every round's run exited 0</p>"
+        return ("<h2>failed rounds</h2><p>none: every round's run exited 0 with no row failed "
+                "at run time</p>")
     rows = "".join(f"<tr><td>{f['round']}</td><td>{html.escape(f['arm'])}</td>"
-                   f"<td>{html.escape(describe_returncode(f['returncode']))}</td>"
+                   f"<td>{html.escape(describe_failure(f))}</td>"
                    f"<td>rounds/r{f['round']:03d}_{html.escape(f['arm'])}.log</td></tr>"
                    for f in failed)
     return (f'<h2 class="fail">failed rounds: {len(failed)}</h2><p>the run of these rounds '
-            "exited non-zero or timed out; the rows they had served are kept (unserved ones "
+            "exited non-zero, timed out or left rows that failed at run time (a worker's step "
+            "raised, no live worker was left); the rows they had served are kept (unserved ones "
             "count as lost, error rows as errors), and each counts against the gate's "
             "max_failed_rounds. Their throughput, latency, memory and wall-time figures are "
             "partial: the per-arm medians and the B/A ratios come from completed rounds only "

@@ -3,11 +3,13 @@ round one `python -m cluster generate` run on a shared Ray cluster, until --roun
 or --duration is spent. A round that has started runs to its end: past the duration it
 still gets twice the longest earlier round (so the last round of a --duration soak is
 not killed for running late), and a round that takes longer than its limit is a timeout
-whose unserved requests count as lost. A round whose run exits non-zero (it crashed, or
-was killed) or times out is a failed round: the gate's max_failed_rounds (default 0) fails
-the soak on it, whatever rows it had served (those still count, as in any round); its
-throughput, latency and memory figures are partial, left out of the medians and the B/A
-ratios (cluster/soak/summary.py).
+whose unserved requests count as lost. A round whose run exits non-zero (it crashed, was
+killed, or rows failed at run time: generate's exit status 1) or times out, or whose rows
+hold errors made at run time (a worker's step raised, no live worker was left: an arm
+running an older build exits 0 on those), is a failed round: the gate's max_failed_rounds
+(default 0) fails the soak on it, whatever rows it had served (those still count, as in any
+round); its throughput, latency and memory figures are partial, left out of the medians and
+the B/A ratios (cluster/soak/summary.py).
 
 While it runs, the soak publishes the B/A ratios of each round pair whose runs both completed
 (`kvfleet_soak_ratio`, tag `metric`) and the failed rounds per arm
@@ -27,7 +29,8 @@ Output under DIR:
     rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
     requests.parquet   one row per request and round (with the temperature it ran at)
     rounds.parquet     one row per round and arm (soak.summary.ROUND_METRICS + faults;
-                       `failed`: the round's run exited non-zero or timed out, `returncode`)
+                       `failed`: the round's run exited non-zero, timed out or left
+                       `runtime_errors` rows, `returncode`)
     faults.parquet     one row per injected kill
     summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
     report.html        the self-contained report
@@ -161,9 +164,13 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     """One rounds.parquet row and the round's request rows."""
     req = _read_results(meta["parquet"])
     stats = json.loads(meta["stats"].read_text()) if meta["stats"].exists() else {}
-    ok = req[req.finish_reason.isin(OK_FINISH)] if len(req) else req
-    input_errors = req[(req.finish_reason == "error") & req.error.fillna("").str.startswith("line ")] \
-        if len(req) else req
+    ok = errors = input_errors = runtime_errors = req
+    if len(req):
+        ok, errors = req[req.finish_reason.isin(OK_FINISH)], req[req.finish_reason == "error"]
+        # an input error's message names its line (cluster/requests.py InputError: "line N:
+        # ..."); the others were made at run time (cluster/scheduler.py), by any build
+        is_input = errors.error.fillna("").str.startswith("line ")
+        input_errors, runtime_errors = errors[is_input], errors[~is_input]
     served = _served_keys(ok) | _served_keys(input_errors) if len(req) else set()
     workers = stats.get("workers", [])
 
@@ -175,7 +182,8 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     row = {
         "round": meta["round"], "arm": meta["arm"], "label": meta["label"],
         "start_s": meta["start_s"], "end_s": meta["end_s"], "wall_s": meta["end_s"] - meta["start_s"],
-        "returncode": meta["returncode"], "failed": meta["returncode"] != "0",
+        "returncode": meta["returncode"],
+        "failed": meta["returncode"] != "0" or len(runtime_errors) > 0,
         "requests": len(req),
         "throughput_tok_s": (stats["tokens"] / stats["wall_s"]) if stats.get("wall_s") else None,
         "ttft_median_s": float(ok.ttft_s.median()) if len(ok) else None,
@@ -187,7 +195,8 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
         "kv_bytes": stats.get("kv_bytes_peak"),
         "rss_bytes": wsum("rss_bytes"),
         "device_mem_bytes": wsum("device_mem_bytes"),
-        "errors": int((req.finish_reason == "error").sum()) if len(req) else 0,
+        "errors": len(errors),
+        "runtime_errors": len(runtime_errors),
         "recoveries": int(stats.get("recoveries", 0)),
         "lost_requests": len(expected - served),
     }
@@ -245,15 +254,17 @@ class RatioGauge:
 
 
 class FailedRoundsCounter:
-    """Publishes the soak's failed rounds (a run that exited non-zero or timed out) as the
-    `kvfleet_soak_failed_rounds` counter (tag `arm`), so a dashboard shows a crashing build
-    while the soak still runs. Each arm's series starts at 0 (as cluster/metrics.py's
-    counters do: increase() misses a series' first sample, which would hide the first failure)."""
+    """Publishes the soak's failed rounds (a run that exited non-zero, timed out or left rows
+    that failed at run time) as the `kvfleet_soak_failed_rounds` counter (tag `arm`), so a
+    dashboard shows a crashing build while the soak still runs. Each arm's series starts at 0
+    (as cluster/metrics.py's counters do: increase() misses a series' first sample, which
+    would hide the first failure)."""
 
     def __init__(self, arms: list[str]):
         from ray.util.metrics import Counter
         self.counter = Counter("kvfleet_soak_failed_rounds", "soak rounds whose run exited "
-                               "non-zero or timed out", tag_keys=("arm",))
+                               "non-zero, timed out or had rows fail at run time",
+                               tag_keys=("arm",))
         record = getattr(self.counter, "_record", None)  # (Counter.inc refuses 0)
         if record is not None:
             for arm in arms:

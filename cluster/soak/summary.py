@@ -7,7 +7,8 @@ Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
               decode_tokens_per_s, completion_tokens (list), finish_reason, error,
               temperature (the line's own, else its arm's job temperature), ...
     rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, the
-              fault counters kills, recoveries, lost_requests, and `failed` with the run's
+              fault counters kills, recoveries, lost_requests, runtime_errors (rows failed
+              at run time), and `failed` with the run's
               `returncode` ("0", another exit status, or "timeout").
 
 A ratio is B/A of the same round (rounds interleave A B A B, so a pair shares the machine's
@@ -107,7 +108,8 @@ def completed(rounds: pd.DataFrame) -> pd.DataFrame:
 
 
 def failed(rounds: pd.DataFrame) -> pd.DataFrame:
-    """The rounds whose run exited non-zero or timed out (none in a table without `failed`)."""
+    """The rounds whose run exited non-zero, timed out or left rows that failed at run time
+    (none in a table without `failed`)."""
     return rounds[rounds.failed.astype(bool)] if "failed" in rounds else rounds.iloc[:0]
 
 
@@ -155,11 +157,22 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
     if "failed" in rounds:
         bad = failed(rounds)
         out["faults"]["failed_rounds"] = len(bad)
-        out["failed_rounds"] = [{"round": int(r), "arm": a, "returncode": str(rc)}
-                                for r, a, rc in zip(bad["round"], bad.arm, bad.returncode)]
+        runtime = bad["runtime_errors"].fillna(0) if "runtime_errors" in bad else [0] * len(bad)
+        out["failed_rounds"] = [{"round": int(r), "arm": a, "returncode": str(rc),
+                                 "runtime_errors": int(n)}
+                                for r, a, rc, n in zip(bad["round"], bad.arm, bad.returncode,
+                                                       runtime)]
         for arm in arms:
             out["metrics"][arm]["failed_rounds"] = int((bad.arm == arm).sum())
     return out
+
+
+def describe_failure(f: dict) -> str:
+    """How a failed round (a summary["failed_rounds"] entry) failed, as words: "timed out",
+    "exit status 1, 3 rows failed at run time", "killed by signal 9"."""
+    how = describe_returncode(f["returncode"])
+    n = f.get("runtime_errors") or 0
+    return f"{how}, {n} rows failed at run time" if n else how
 
 
 def describe_returncode(rc: str) -> str:
@@ -201,8 +214,9 @@ def _measured(x) -> float | None:
 def apply_gate(summary: dict, gate) -> list[GateFailure]:
     """Check a summary against a gate (an object with min_throughput_ratio,
     max_parity_breaks, max_lost_requests, max_errors, max_failed_rounds; None disables a
-    rule). A failed round (its run exited non-zero or timed out) counts against
-    max_failed_rounds even when every request it was given had been served.
+    rule). A failed round (its run exited non-zero, timed out or left rows that failed at
+    run time) counts against max_failed_rounds even when every request it was given had
+    been served.
 
     Missing data never passes: an enabled rule whose figure is absent, NaN or infinite fails
     (with a B arm: a throughput ratio that no round pair measured; greedy parity with no
@@ -240,7 +254,7 @@ def apply_gate(summary: dict, gate) -> list[GateFailure]:
     if gate.max_failed_rounds is not None and failed is None:
         fails.append(GateFailure("failed rounds", None, gate.max_failed_rounds, ">"))
     elif gate.max_failed_rounds is not None and len(failed) > gate.max_failed_rounds:
-        which = ", ".join(f"round {f['round']} {f['arm']}: {describe_returncode(f['returncode'])}"
+        which = ", ".join(f"round {f['round']} {f['arm']}: {describe_failure(f)}"
                           for f in failed[:4]) + (", ..." if len(failed) > 4 else "")
         fails.append(GateFailure(f"failed rounds ({which})", len(failed), gate.max_failed_rounds, ">"))
     return fails

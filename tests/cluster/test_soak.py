@@ -103,3 +103,31 @@ def test_soak_with_worker_kills_loses_nothing(setup, monkeypatch):
     # kills land at different moments in the two rounds; greedy completions must not care
     by_round = [g.set_index("id").completion_tokens.map(list) for _, g in req.groupby("round")]
     assert by_round[0].sort_index().tolist() == by_round[1].sort_index().tolist()
+
+
+def test_a_round_whose_rows_fail_at_run_time_is_a_failed_round(setup, monkeypatch):
+    """The lone worker's first step outlives its step timeout (1 us): RayGroup takes it as
+    hung and kills it, and every row fails with 'no live worker left'. The round's generate
+    exited 0, so the round counted as completed; now generate exits 1 and the round fails,
+    with its count in the summary."""
+    d, prompts, a, _ = setup
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    hung = d / "hung.yaml"
+    cfg = yaml.safe_load(a.read_text())
+    cfg["workers"]["step_timeout_s"] = 1e-6
+    cfg["soak"]["gate"] = {"max_failed_rounds": 0}
+    hung.write_text(yaml.safe_dump(cfg))
+    out = d / "hung"
+    code = main(["soak", "--config", str(hung), "--prompts", str(prompts), "--rounds", "1",
+                 "--out", str(out)])
+    assert code == 1
+    log = (out / "rounds" / "r000_A.log").read_text()
+    assert "kvfleet generate: 6 of 6 rows failed at run time" in log, log[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["failed_rounds"] == [{"round": 0, "arm": "A", "returncode": "1", "runtime_errors": 6}]
+    assert "failed rounds (round 0 A: exit status 1, 6 rows failed at run time) = 1 > 0" in \
+        s["gate"]["failures"]
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.failed.tolist() == [True] and rounds.runtime_errors.tolist() == [6]
+    stats = json.loads((out / "rounds" / "r000_A.stats.json").read_text())
+    assert stats["runtime_errors"] == 6 and stats["errors"] == 6

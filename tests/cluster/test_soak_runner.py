@@ -299,3 +299,50 @@ def test_a_soak_of_only_invalid_prompt_lines_fails_the_default_gate(tmp_path, mo
     assert code == 1 and summary["gate"]["failures"] == [
         "successful requests (A: no request of any round finished with stop or length) = 0 < 1"]
     assert summary["metrics"]["A"]["ok_requests"] == 0
+
+
+
+RUNTIME_ERROR_GENERATE = """\
+# An older build's `generate`: in round 1 one row failed at run time (its worker's step
+# raised) and it still exits 0; every round writes --stats with the scheduler's counters.
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+out = sys.argv[sys.argv.index("--out") + 1]
+second = "r001_" in out
+rows = [("a", 1, "length", None), (None, 2, "error", "line 2: malformed JSON"),
+        (None, 3, "error", "line 3: duplicate id 'a'"),
+        ("b", 4, "error", "worker step failed: RuntimeError('CUDA error')") if second
+        else ("b", 4, "stop", None)]
+pq.write_table(pa.Table.from_pylist([
+    {"id": i, "line": n, "finish_reason": f, "error": e, "completion_tokens": [1, 2],
+     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n, f, e in rows]), out)
+stats = sys.argv[sys.argv.index("--stats") + 1]
+with open(stats, "w") as f:
+    json.dump({"tokens": 4, "wall_s": 1.0, "worker_deaths": int(second), "recoveries": 0,
+               "requeued": 3 * second, "fallbacks": {"cpu.polar_rebuild_rows": 5},
+               "kv_cache": {"hits": 1, "saved_tokens": 10 + second}, "workers": []}, f)
+"""
+
+
+def test_a_round_with_rows_failed_at_run_time_is_a_failed_round(tmp_path, monkeypatch):
+    """Round 1's run (an older build, which exits 0 on them) left a row that failed at run
+    time: the round counted as completed (its figures in the medians), only its lost row
+    failed the gate. It is a failed round now, named with its count in the gate, the summary
+    and the report."""
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, RUNTIME_ERROR_GENERATE, "  label: old\n")
+    out = tmp_path / "soak"
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path), out=out, rounds=2)
+    summary, code = runner.run_soak(plan)
+    assert code == 1 and summary["gate"]["failures"] == [
+        "lost requests = 1 > 0",  # (a row failed at run time was not served: as before)
+        "failed rounds (round 1 A: exit status 0, 1 rows failed at run time) = 1 > 0"]
+    assert summary["failed_rounds"] == [
+        {"round": 1, "arm": "A", "returncode": "0", "runtime_errors": 1}]
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.failed.tolist() == [False, True] and rounds.returncode.tolist() == ["0", "0"]
+    assert rounds.runtime_errors.tolist() == [0, 1] and rounds.errors.tolist() == [2, 3]
+    a = json.loads((out / "summary.json").read_text())["metrics"]["A"]
+    assert a["completed_rounds"] == 1 and a["throughput_tok_s"]["n"] == 1  # round 0 only
+    page = (out / "report.html").read_text()
+    assert "<td>1</td><td>A</td><td>exit status 0, 1 rows failed at run time</td>" in page
+

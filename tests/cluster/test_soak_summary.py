@@ -128,8 +128,8 @@ def test_a_failed_round_fails_the_gate_even_with_nothing_lost():
     rounds["failed"] = rounds.returncode != "0"
     s = summarize(requests, rounds)
     assert s["faults"]["failed_rounds"] == 2 and s["faults"]["lost_requests"] == 0
-    assert s["failed_rounds"] == [{"round": 1, "arm": "B", "returncode": "1"},
-                                  {"round": 2, "arm": "A", "returncode": "-9"}]
+    assert s["failed_rounds"] == [{"round": 1, "arm": "B", "returncode": "1", "runtime_errors": 0},
+                                  {"round": 2, "arm": "A", "returncode": "-9", "runtime_errors": 0}]
     assert s["metrics"]["A"]["failed_rounds"] == 1 and s["metrics"]["B"]["failed_rounds"] == 1
     gate = SimpleNamespace(min_throughput_ratio=None, max_parity_breaks=None, max_lost_requests=0,
                            max_errors=None, max_failed_rounds=0)
