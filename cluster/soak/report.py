@@ -102,6 +102,33 @@ def _failed_rounds(summary: dict) -> str:
             f"{rows}</table>")
 
 
+COUNTER_NAMES = {"worker_deaths": "worker deaths", "recoveries": "recoveries",
+                 "requeued": "sequences re-queued", "runtime_errors": "rows failed at run time"}
+
+
+def _counters(summary: dict) -> str:
+    """The scheduler counters per arm (summary.counters), one row each: those the summary
+    has, then every fallback path and saved-KV event any arm counted."""
+    arms = [a for a in summary.get("arms", []) if "counters" in summary["metrics"].get(a, {})]
+    if not arms:
+        return ""
+    c = {a: summary["metrics"][a]["counters"] for a in arms}
+    rows = [(label, [c[a].get(k) for a in arms]) for k, label in COUNTER_NAMES.items()
+            if any(k in c[a] for a in arms)]
+    for group, label in (("fallbacks", "fallback"), ("kv_cache", "KV cache")):
+        keys = sorted({k for a in arms for k in c[a].get(group, {})})
+        rows += [(f"{label}: {k}", [c[a].get(group, {}).get(k, 0) for a in arms]) for k in keys]
+    labels = summary.get("labels", {})
+    head = "".join(f"<th>{html.escape(f'{a} ({labels[a]})' if a in labels else a)}</th>"
+                   for a in arms)
+    body = "".join(f"<tr><th>{html.escape(name)}</th>"
+                   + "".join(f"<td>{'' if v is None else v}</td>" for v in vals) + "</tr>"
+                   for name, vals in rows)
+    return ("<h2>scheduler counters</h2><p>summed over each arm's rounds, failed ones included "
+            "(from each run's <code>generate --stats</code>)</p>"
+            f"<table><tr><th></th>{head}</tr>{body}</table>")
+
+
 def _img(b64: str | None, alt: str) -> str:
     return "" if b64 is None else f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 
@@ -148,6 +175,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 <p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
 {_failed_rounds(summary)}
 {''.join(parts)}
+{_counters(summary)}
 <h2>greedy parity (A vs B)</h2>
 <p>{compared} prompt-rounds compared, {len(breaks)} differ; the table gives the index of the
 first completion token where B differs from A (greedy decoding), "same" where it does not.{sampled_note}</p>

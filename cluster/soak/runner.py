@@ -30,7 +30,9 @@ Output under DIR:
     requests.parquet   one row per request and round (with the temperature it ran at)
     rounds.parquet     one row per round and arm (soak.summary.ROUND_METRICS + faults;
                        `failed`: the round's run exited non-zero, timed out or left
-                       `runtime_errors` rows, `returncode`)
+                       `runtime_errors` rows, `returncode`; the run's scheduler counters
+                       worker_deaths, recoveries, requeued, and fallbacks.<path> and
+                       kv_cache.<event> columns from its --stats)
     faults.parquet     one row per injected kill
     summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
     report.html        the self-contained report
@@ -58,7 +60,7 @@ from cluster.requests import Request, read_requests, result_key
 from cluster.soak.config import SoakArm
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
-from cluster.soak.summary import OK_FINISH, apply_gate, parity_table, summarize
+from cluster.soak.summary import COUNTER_GROUPS, OK_FINISH, apply_gate, parity_table, summarize
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +199,14 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
         "device_mem_bytes": wsum("device_mem_bytes"),
         "errors": len(errors),
         "runtime_errors": len(runtime_errors),
+        "worker_deaths": int(stats.get("worker_deaths", 0)),
         "recoveries": int(stats.get("recoveries", 0)),
+        "requeued": int(stats.get("requeued", 0)),
         "lost_requests": len(expected - served),
     }
+    for group in COUNTER_GROUPS:  # path / event -> count, one column each
+        for k, n in (stats.get(group) or {}).items():
+            row[f"{group}.{k}"] = int(n)
     if len(req):
         req = req.assign(round=meta["round"], arm=meta["arm"], id=req.id.astype(str))
     return row, req

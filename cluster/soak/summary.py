@@ -7,8 +7,9 @@ Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
               decode_tokens_per_s, completion_tokens (list), finish_reason, error,
               temperature (the line's own, else its arm's job temperature), ...
     rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, the
-              fault counters kills, recoveries, lost_requests, runtime_errors (rows failed
-              at run time), and `failed` with the run's
+              fault counters kills, recoveries, lost_requests, the run's scheduler
+              counters (COUNTERS, and per path / event the COUNTER_GROUPS columns
+              "fallbacks.<path>", "kv_cache.<event>"), and `failed` with the run's
               `returncode` ("0", another exit status, or "timeout").
 
 A ratio is B/A of the same round (rounds interleave A B A B, so a pair shares the machine's
@@ -32,6 +33,11 @@ arm served no row at all) it is None, not evaluated, and the gate fails the pari
 
 Each arm's `ok_requests` counts its rows that finished with stop or length, failed rounds
 included; an arm with none served nothing, and the gate fails it whatever its thresholds.
+
+Each arm's `counters` sum the scheduler counters that its runs' `generate --stats` carry
+(worker deaths, recoveries, re-queued sequences, rows failed at run time, fallbacks per
+native path, saved-KV events) over all its rounds, failed ones included: like the fault
+counters they account for what happened, they are not performance figures.
 """
 from __future__ import annotations
 
@@ -100,6 +106,10 @@ OK_FINISH = ("stop", "length")  # a request served successfully; "error" is the 
 
 # per-round counts that account for what was served, failed rounds included (not performance)
 ACCOUNTING = frozenset({"errors"})
+# the scheduler counters of a round's run (cluster/scheduler.py SchedulerStats, in its
+# --stats), summed per arm; a group's columns are "<group>.<key>" (path or event -> count)
+COUNTERS = ("worker_deaths", "recoveries", "requeued", "runtime_errors")
+COUNTER_GROUPS = ("fallbacks", "kv_cache")
 
 
 def completed(rounds: pd.DataFrame) -> pd.DataFrame:
@@ -132,6 +142,7 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
         # with none served nothing, and the gate fails it whatever its other rules say
         out["metrics"][arm]["ok_requests"] = int(
             requests.finish_reason[requests.arm == arm].isin(OK_FINISH).sum()) if len(requests) else 0
+        out["metrics"][arm]["counters"] = counters(r)
     if "B" in arms:
         a = done[done.arm == "A"].set_index("round")
         b = done[done.arm == "B"].set_index("round")
@@ -164,6 +175,19 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
                                                        runtime)]
         for arm in arms:
             out["metrics"][arm]["failed_rounds"] = int((bad.arm == arm).sum())
+    return out
+
+
+def counters(rounds: pd.DataFrame) -> dict:
+    """The COUNTERS and COUNTER_GROUPS of these rounds, summed (a group: key -> count, its
+    keys with a count only); a figure no round has is left out."""
+    def total(col) -> int:
+        return int(pd.to_numeric(rounds[col], errors="coerce").fillna(0).sum())
+    out: dict = {k: total(k) for k in COUNTERS if k in rounds}
+    for group in COUNTER_GROUPS:
+        sums = {col[len(group) + 1:]: total(col) for col in sorted(rounds.columns)
+                if col.startswith(group + ".")}
+        out[group] = {k: n for k, n in sums.items() if n}
     return out
 
 

@@ -55,6 +55,9 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     for arm in "AB":
         m = s["metrics"][arm]["throughput_tok_s"]
         assert m["min"] <= m["median"] <= m["max"] and m["n"] == 2
+        assert s["metrics"][arm]["counters"] == {"worker_deaths": 0, "recoveries": 0,
+                                                 "requeued": 0, "runtime_errors": 0,
+                                                 "fallbacks": {}, "kv_cache": {}}
     r = s["ratio_B_over_A"]["kv_bytes"]
     assert 0.2 < r["median"] < 0.3
     assert s["parity"]["compared"] == 12 and s["parity"]["greedy"] is True
@@ -96,6 +99,9 @@ def test_soak_with_worker_kills_loses_nothing(setup, monkeypatch):
     assert s["faults"]["lost_requests"] == 0
     assert s["faults"]["recoveries"] >= 1
     assert s["faults"]["failed_rounds"] == 0  # a worker kill the job recovers from fails no round
+    c = s["metrics"]["A"]["counters"]  # (a kill after a round's last step is seen by none)
+    assert c["worker_deaths"] >= c["recoveries"] == s["faults"]["recoveries"]
+    assert c["requeued"] >= 0 and c["runtime_errors"] == 0
     assert code == 0
     req = pd.read_parquet(out / "requests.parquet")
     for _, g in req.groupby("round"):
@@ -109,7 +115,7 @@ def test_a_round_whose_rows_fail_at_run_time_is_a_failed_round(setup, monkeypatc
     """The lone worker's first step outlives its step timeout (1 us): RayGroup takes it as
     hung and kills it, and every row fails with 'no live worker left'. The round's generate
     exited 0, so the round counted as completed; now generate exits 1 and the round fails,
-    with its count in the summary."""
+    with its count and the scheduler counters of its --stats in the summary."""
     d, prompts, a, _ = setup
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     hung = d / "hung.yaml"
@@ -129,5 +135,7 @@ def test_a_round_whose_rows_fail_at_run_time_is_a_failed_round(setup, monkeypatc
         s["gate"]["failures"]
     rounds = pd.read_parquet(out / "rounds.parquet")
     assert rounds.failed.tolist() == [True] and rounds.runtime_errors.tolist() == [6]
+    c = s["metrics"]["A"]["counters"]
+    assert c["runtime_errors"] == 6 and c["worker_deaths"] == 1 and c["recoveries"] == 0
     stats = json.loads((out / "rounds" / "r000_A.stats.json").read_text())
     assert stats["runtime_errors"] == 6 and stats["errors"] == 6

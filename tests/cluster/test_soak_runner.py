@@ -346,3 +346,27 @@ def test_a_round_with_rows_failed_at_run_time_is_a_failed_round(tmp_path, monkey
     page = (out / "report.html").read_text()
     assert "<td>1</td><td>A</td><td>exit status 0, 1 rows failed at run time</td>" in page
 
+
+def test_the_rounds_scheduler_counters_are_summed_per_arm(tmp_path, monkeypatch):
+    """The scheduler counters of the runs' --stats (worker deaths, re-queued sequences,
+    fallbacks per path, saved-KV events) were dropped (only recoveries was kept): each round
+    keeps them in rounds.parquet, and they are summed per arm over every round, failed ones
+    included, in summary.json and the report."""
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, RUNTIME_ERROR_GENERATE, "  label: old\n")
+    out = tmp_path / "soak"
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path), out=out, rounds=2)
+    runner.run_soak(plan)
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.worker_deaths.tolist() == [0, 1] and rounds.requeued.tolist() == [0, 3]
+    assert rounds["fallbacks.cpu.polar_rebuild_rows"].tolist() == [5, 5]
+    assert rounds["kv_cache.saved_tokens"].tolist() == [10, 11]
+    a = json.loads((out / "summary.json").read_text())["metrics"]["A"]
+    assert a["counters"] == {"worker_deaths": 1, "recoveries": 0, "requeued": 3,
+                             "runtime_errors": 1, "fallbacks": {"cpu.polar_rebuild_rows": 10},
+                             "kv_cache": {"hits": 2, "saved_tokens": 21}}
+    page = (out / "report.html").read_text()
+    assert "<h2>scheduler counters</h2>" in page and "<th>A (old)</th>" in page
+    for name, n in (("worker deaths", 1), ("rows failed at run time", 1),
+                    ("sequences re-queued", 3), ("fallback: cpu.polar_rebuild_rows", 10),
+                    ("KV cache: hits", 2), ("KV cache: saved_tokens", 21)):
+        assert f"<tr><th>{name}</th><td>{n}</td></tr>" in page, name

@@ -295,3 +295,24 @@ def test_stats_leave_out_nan_inf_and_na_of_any_type():
         "median": 2.0, "min": 1.0, "max": 3.0, "n": 2}
     assert _stats([None, pd.NA, float("nan"), -np.inf])["median"] is None
     assert _stats(pd.Series([4, None], dtype="Int64")) == {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}
+
+
+def test_counters_are_summed_per_arm_failed_rounds_included():
+    """A fallback path or saved-KV event only one arm's runs counted is a column the other
+    arm's rounds lack (NaN): it sums to that arm alone; a failed round counts too."""
+    requests, rounds = _tables()
+    rounds["failed"] = [False, False, False, True, False, False]
+    rounds["returncode"] = ["0", "0", "0", "1", "0", "0"]
+    rounds["worker_deaths"] = [0, 0, 1, 2, 0, 0]
+    rounds["requeued"] = [0, 0, 4, 3, 0, 0]
+    rounds["runtime_errors"] = [0, 0, 0, 5, 0, np.nan]  # (a row from a table without it)
+    rounds["fallbacks.cpu.polar_rebuild_rows"] = [np.nan, 7, np.nan, 7, np.nan, 7]
+    rounds["kv_cache.hits"] = [1, np.nan, 1, np.nan, 0, np.nan]
+    s = summarize(requests, rounds)
+    assert s["metrics"]["A"]["counters"] == {
+        "worker_deaths": 1, "recoveries": 1, "requeued": 4, "runtime_errors": 0,
+        "fallbacks": {}, "kv_cache": {"hits": 2}}
+    assert s["metrics"]["B"]["counters"] == {
+        "worker_deaths": 2, "recoveries": 0, "requeued": 3, "runtime_errors": 5,
+        "fallbacks": {"cpu.polar_rebuild_rows": 21}, "kv_cache": {}}
+    assert s["failed_rounds"] == [{"round": 1, "arm": "B", "returncode": "1", "runtime_errors": 5}]
