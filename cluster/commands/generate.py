@@ -52,7 +52,13 @@ def register(sub) -> None:
                    "(scheduler counters, per-worker experts and memory; `kvfleet soak` reads it)")
     p.add_argument("--kv-cache-dir", type=Path,
                    help="save each request's KV here and resume prompts that share a prefix")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, interrupted=interrupted)
+
+
+def interrupted(args) -> str:
+    """What a Ctrl-C leaves (cluster/cli.py prints it): the job's `finally` has flushed the
+    finished rows to the part files, as on SIGTERM."""
+    return f"the finished rows are kept (in {args.out}.parts); rerun with the same --out to resume"
 
 
 def flag_overrides(args) -> dict:

@@ -183,11 +183,15 @@ def test_killed_job_keeps_its_parts_and_resumes(tiny, tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_sigterm_keeps_the_finished_rows(tiny, tmp_path):
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGTERM, 143, "stopped by SIGTERM"),
+    (signal.SIGINT, 130, "interrupted; the finished rows are kept (in ")])
+def test_a_stop_signal_keeps_the_finished_rows(tiny, tmp_path, sig, code, said):
     """SIGTERM (`ray job stop`, kill, a preempted node) ended the job at once: the rows it
     had finished but not yet flushed (up to flush_every of them) were lost. Now it stops as
     Ctrl-C does: the finished rows go to the part files, the exit code is 143 and a line
-    says how to resume; a rerun skips every row that had been reported done."""
+    says how to resume; a rerun skips every row that had been reported done. Ctrl-C
+    (SIGINT) likewise, with exit 130 and the same line (it printed a traceback)."""
     import re
     lines = prompt_lines(60, seed=3, max_tokens=12)
     prompts = write_lines(tmp_path / "p.jsonl", lines)
@@ -204,12 +208,12 @@ def test_sigterm_keeps_the_finished_rows(tiny, tmp_path):
         m = re.search(r"progress: (\d+)/", line)
         if m and int(m.group(1)) >= 4:
             reported = int(m.group(1))
-            os.kill(proc.pid, signal.SIGTERM)
+            os.kill(proc.pid, sig)
             break
     err += proc.stderr.readlines()
-    assert proc.wait(timeout=60) == 143, "".join(err)[-3000:]
+    assert proc.wait(timeout=60) == code, "".join(err)[-3000:]
     assert reported and not out.exists()
-    assert "stopped by SIGTERM" in "".join(err) and "Traceback" not in "".join(err)
+    assert said in "".join(err) and "Traceback" not in "".join(err)
     parts = list((tmp_path / "out.parquet.parts").glob("part-*.parquet"))
     kept = sum(pq.read_table(p).num_rows for p in parts)
     assert reported <= kept < len(lines)
