@@ -49,6 +49,13 @@ class InputError:
     prompt: str | None = None
 
 
+def is_input_error(error: str | None) -> bool:
+    """Whether an error row's message is an input error's: InputError messages name their
+    line ("line N: ..."), those made at run time (cluster/scheduler.py) never do. The one
+    rule for both a Result and a results file of any build (the soak reads its arms' rows)."""
+    return error is not None and error.startswith("line ")
+
+
 @dataclass
 class Result:
     id: str | None
@@ -74,9 +81,8 @@ class Result:
     @property
     def runtime_error(self) -> bool:
         """An error row made at run time (the scheduler's: a worker's step raised, no live
-        worker was left), not an input error (Result.failed: the line's own fault, the only
-        rows without a request_digest)."""
-        return self.finish_reason == "error" and self.request_digest is not None
+        worker was left), not an input error (Result.failed: the line's own fault)."""
+        return self.finish_reason == "error" and not is_input_error(self.error)
 
     @property
     def key(self) -> str:

@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 
 from cluster.cli import UsageError
 from cluster.config import ENV_FIELDS, REPO_ROOT
-from cluster.requests import Request, read_requests, result_key
+from cluster.requests import Request, is_input_error, read_requests, result_key
 from cluster.soak.config import SoakArm
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
@@ -169,9 +169,7 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     ok = errors = input_errors = runtime_errors = req
     if len(req):
         ok, errors = req[req.finish_reason.isin(OK_FINISH)], req[req.finish_reason == "error"]
-        # an input error's message names its line (cluster/requests.py InputError: "line N:
-        # ..."); the others were made at run time (cluster/scheduler.py), by any build
-        is_input = errors.error.fillna("").str.startswith("line ")
+        is_input = errors.error.fillna("").map(is_input_error).astype(bool)
         input_errors, runtime_errors = errors[is_input], errors[~is_input]
     served = _served_keys(ok) | _served_keys(input_errors) if len(req) else set()
     workers = stats.get("workers", [])
