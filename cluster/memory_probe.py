@@ -2,7 +2,9 @@
 
 cuda: cudaMemGetInfo through CuPy, else `nvidia-smi --query-gpu=memory.free`, of the local
 GPU with the device's index. cpu / metal: available host memory (psutil when installed,
-else /proc/meminfo on Linux); a Mac's GPU shares that memory.
+else /proc/meminfo on Linux); a Mac's GPU shares that memory. A cpu node's devices (memory
+domains, one worker each) share the one host, so each gets an even share of it: measured
+whole per device, a `devices: 2` node was planned on twice the memory the host has.
 
 Nothing runs on the fleet's nodes: `kvfleet plan` probes where it runs and the generate job
 probes on its driver, whichever node a device belongs to. So "auto" measures the node the
@@ -30,7 +32,7 @@ class ProbeError(RuntimeError):
 def free_bytes(spec: DeviceSpec) -> int:
     if spec.node.kind == "cuda":
         return _cuda_free(spec.index)
-    return host_available()
+    return host_available() // spec.node.devices  # (metal: devices is 1)
 
 
 def _cuda_free(index: int) -> int:

@@ -144,6 +144,25 @@ def test_memory_probe(monkeypatch):
     assert memory_probe.host_available() > 0  # /proc/meminfo without psutil
 
 
+def test_auto_cpu_devices_share_the_host(tmp_path, monkeypatch, capsys):
+    """The devices of one cpu node are one host's memory domains: 'auto' gives each an even
+    share of its available memory. Each was given all of it, so a `devices: 3` node was
+    planned (and its experts pinned) on three times the memory the host has."""
+    from cluster import memory_probe
+    host = 3 * 41 * GB + 2  # (not a multiple of 3: each share rounds down, never over)
+    monkeypatch.setattr(memory_probe, "host_available", lambda: host)
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, devices: 3, memory: auto, reserve_gb: 1}\n"
+                            "  - {name: mac, kind: metal, memory: auto, reserve_gb: 1}\n")
+    b = device_budgets(Fleet.from_file(fleet), memory_probe.free_bytes)
+    assert [d.memory_bytes for d in b] == [41 * GB] * 3 + [host]  # (metal: one device, the whole)
+    assert sum(d.memory_bytes for d in b[:3]) <= host
+    card = FLEETS.parent / "models" / "kimi-k2.json"
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--ctx", "4096", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [x["budget_bytes"] for x in d["devices"]] == [40 * GB] * 3 + [host - GB]
+    assert sum(x["dense_bytes"] + x["kv_pool_bytes"] + x["pinned_expert_bytes"] for x in d["devices"][:3]) <= host
+
+
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-5"])
 def test_cli_plan_free_gb_must_be_finite(tmp_path, capsys, value):
     fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 2}\n")
