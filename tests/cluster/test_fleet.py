@@ -65,6 +65,26 @@ def test_errors_name_file_and_field(tmp_path, body, where):
     assert where in str(e.value).replace(str(tmp_path) + "/", "")
 
 
+def test_a_key_given_twice_is_an_error(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys: a second `nodes:` block dropped the first
+    block's nodes from the plan (which fitted, on the nodes left), a second `memory:` replaced
+    the first. A merge key's override (`<<: *base` then the key) is not a repeat."""
+    two_blocks = write(tmp_path, "nodes:\n  - {name: gpu, kind: cuda, memory: 80}\n"
+                                 "plan: {kv: kv8}\nnodes:\n  - {name: host, kind: cpu, memory: 512}\n")
+    card = FLEETS.parent / "models" / "deepseek-v3.json"
+    assert main(["plan", "--config", str(two_blocks), "--model-config", str(card)]) == 2
+    assert capsys.readouterr().err == (f"kvfleet plan: error: {two_blocks}: line 4: key 'nodes' is given twice "
+                                       "in one mapping (first on line 1); YAML would keep only the last\n")
+    for body, line, key in [("nodes:\n  - name: a\n    kind: cuda\n    memory: 80\n    memory: 40\n", 5, "memory"),
+                            ("nodes:\n  - {name: a, kind: cpu, memory: 8, slots: 2, slots: 4}\n", 2, "slots"),
+                            ("nodes:\n  - {name: a, kind: cuda, memory: 8, resources: {g: 1, g: 2}}\n", 2, "g")]:
+        with pytest.raises(FleetError, match=f"fleet.yaml: line {line}: key '{key}' is given twice"):
+            Fleet.from_file(write(tmp_path, body))
+    merged = Fleet.from_file(write(tmp_path, "nodes:\n  - &gpu {name: a, kind: cuda, memory: 80}\n"
+                                             "  - {<<: *gpu, name: b, memory: 40}\n"))
+    assert [(n.name, n.memory) for n in merged.nodes] == [("a", 80.0), ("b", 40.0)]
+
+
 def test_missing_file_and_frozen(tmp_path):
     with pytest.raises(FleetError, match="no such fleet file"):
         Fleet.from_file(tmp_path / "nope.yaml")
