@@ -20,7 +20,9 @@ worker owns and the split does not pin (they are served from host memory; the pi
 and the dense weights live on the GPU, none of them kept on the host once loaded), and on a
 cpu device the dense weights too (a metal worker keeps its dense weights in MLX's copy).
 The budget above counts weights in the checkpoint's format, as the C engine stores them, so
-a cpu device whose float32 host figure and KV exceed its budget gets a warning.
+a cpu device whose float32 host figure and KV exceed its budget gets a warning, and so does a
+metal device whose host figure, float32 dense weights (MLX's copy: on a Mac the same unified
+memory its budget is) and KV do.
 
 The job's own plan (`loaded=True`: cluster/placement.py) counts a cuda device's dense
 weights and pinned experts as its CuPy worker holds them, the float32 arrays of
@@ -260,11 +262,16 @@ class Plan:
     def warnings(self) -> list[str]:
         limit = self.footprint.config.max_position_embeddings
         out = [f"ctx {self.ctx} exceeds the model's max_position_embeddings {limit}"] if self.ctx > limit else []
+        mlx_dense = loaded_bytes(self.footprint.config)[0]
         for d in self.devices:
-            need = d.host_bytes + d.kv_pool_bytes + d.index_bytes
-            if d.device.kind == "cpu" and need > d.device.capacity:
+            # a metal device's budget is the Mac's one unified memory (or, on MLX's CPU
+            # backend, host RAM): its worker's host experts and MLX's float32 dense copy share it
+            held = d.host_bytes + (mlx_dense if d.device.kind == "metal" else 0)
+            need = held + d.kv_pool_bytes + d.index_bytes
+            if d.device.kind in ("cpu", "metal") and need > d.device.capacity:
                 out.append(f"device {d.device.name}: a kvfleet job holds its weights as float32 "
-                           f"({gb(d.host_bytes)}, the plan counts {self.expert_format.name} experts "
+                           f"({gb(held)}{' with the dense weights MLX holds' if d.device.kind == 'metal' else ''}, "
+                           f"the plan counts {self.expert_format.name} experts "
                            f"and bf16 dense weights) + KV {gb(d.kv_pool_bytes + d.index_bytes)}, "
                            f"over its budget {gb(d.device.capacity)}")
         return out

@@ -461,3 +461,24 @@ def test_cpu_device_over_budget_in_float32_is_warned(capsys):
     assert any(w.startswith("device tight: a kvfleet job holds its weights as float32") for w in p.warnings)
     roomy = plan(fp, [DeviceBudget("big", "cpu", 3 * all_bf16)], tier="f32", ctx=BLOCK, experts="bf16")
     assert roomy.warnings == []
+
+
+def test_metal_device_over_budget_in_float32_is_warned():
+    """A metal device's budget is a Mac's one unified memory: its worker's float32 experts
+    (numpy) and float32 dense weights (MLX's copy, workers/mlx_model.py) both live in it. Only
+    cpu devices were checked, so a Mac planned on bf16 got no warning at 2x over. The figure
+    is what its worker loads: every array of load_params when it owns every expert."""
+    from workers.weights import load_params
+    mini = Path(__file__).resolve().parents[2] / "models" / "kvfleet-mini"
+    fp = Footprint.from_file(mini)
+    kv = BLOCK * fp.kv_bytes_per_token("f32")
+    held = sum(v.nbytes for v in load_params(mini, fp.config).values())
+    all_bf16 = fp.dense_bytes + kv + fp.run_experts * fp.expert_bytes("bf16")
+    p = plan(fp, [DeviceBudget("mac", "metal", all_bf16)], tier="f32", ctx=BLOCK, experts="bf16")
+    assert len(p.host) == 0 and p.devices[0].free_bytes == 0  # it fits in bf16
+    assert p.devices[0].host_bytes + kv < all_bf16  # (its host experts alone would fit)
+    assert [w for w in p.warnings if w.startswith("device mac: a kvfleet job holds its weights as float32 "
+                                                  f"({held / GB:.2f} GB with the dense weights MLX holds")]
+    for budget, warned in ((held + kv - 1, True), (held + kv, False)):
+        q = plan(fp, [DeviceBudget("mac", "metal", budget)], tier="f32", ctx=BLOCK, experts="bf16")
+        assert bool(q.warnings) == warned, budget
