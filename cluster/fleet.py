@@ -37,6 +37,12 @@ from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
 from kernels.tiers import get_tier
 
 
+# 1 PB: no device comes near it, so a bigger size is one in other units (bytes: 80e9 for an
+# 80 GB card) or a typo, which would plan a device with room for everything (and past about
+# 1.8e299 GB, round(size * GB) overflows)
+MAX_GB = 1e6
+
+
 class FleetError(ValueError):
     """A fleet file that cannot be used: names the file, the field path and the value."""
 
@@ -50,7 +56,7 @@ class Node(_Frozen):
     kind: Literal["cuda", "cpu", "metal"]
     devices: int = Field(1, ge=1)
     memory: float | Literal["auto"]
-    reserve_gb: float = Field(2.0, ge=0, allow_inf_nan=False)
+    reserve_gb: float = Field(2.0, ge=0, le=MAX_GB, allow_inf_nan=False)
     slots: int = Field(1, ge=1)
     resources: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -62,6 +68,9 @@ class Node(_Frozen):
             return v
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"must be a positive size in GB or 'auto', got {v!r}")
+        if v > MAX_GB:
+            raise ValueError(f"must be a size in GB (1e9 bytes) per device, at most {MAX_GB:.0f}; "
+                             f"got {v!r} (a size in bytes?)")
         return float(v)
 
     @model_validator(mode="after")
@@ -78,7 +87,7 @@ class PlanDefaults(_Frozen):
     ctx: int = Field(32768, ge=1)
     kv: str = "f32"
     experts: str = "bf16"
-    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0, allow_inf_nan=False)
+    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0, le=MAX_GB, allow_inf_nan=False)
 
     @field_validator("kv")
     @classmethod

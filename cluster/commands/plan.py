@@ -23,7 +23,7 @@ import yaml
 
 from cluster.cli import UsageError
 from cluster.config import REPO_ROOT
-from cluster.fleet import Fleet, FleetError, plan_fleet
+from cluster.fleet import MAX_GB, Fleet, FleetError, plan_fleet
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import free_bytes
 from cluster.planner import GB, PlanError
@@ -86,6 +86,9 @@ def _free(specs: list[str]) -> dict[str, int]:
             raise UsageError(f"--free-gb {s!r}: expected DEVICE=GB, e.g. node/cuda0=120") from None
         if not math.isfinite(size) or size < 0:
             raise UsageError(f"--free-gb {s!r}: GB must be a finite number >= 0, got {val!r}")
+        if size > MAX_GB:
+            raise UsageError(f"--free-gb {s!r}: GB (1e9 bytes) must be at most {MAX_GB:.0f}, got "
+                             f"{val!r} (a size in bytes?)")
         out[name] = round(size * GB)
     return out
 

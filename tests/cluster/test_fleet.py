@@ -58,6 +58,15 @@ def test_examples_load():
      "fleet.yaml: nodes.0.reserve_gb: Input should be a finite number (got inf)"),
     ("nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: b, kind: cpu, memory: 9, reserve_gb: .nan}\n",
      "fleet.yaml: nodes.1.reserve_gb: Input should be a finite number (got nan)"),
+    # sizes in other units, or too big for bytes: planned as a device with room for everything,
+    # or an OverflowError traceback (round(size * GB) of 1e300 GB)
+    ("nodes:\n  - {name: a, kind: cuda, memory: 80000000000, reserve_gb: 4}\n",
+     "fleet.yaml: nodes.0.memory: must be a size in GB (1e9 bytes) per device, at most 1000000; got 80000000000"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 1.0e+300}\n", "fleet.yaml: nodes.0.memory: must be a size in GB"),
+    ("nodes:\n  - {name: a, kind: cpu, memory: auto, reserve_gb: 1.0e+300}\n",
+     "fleet.yaml: nodes.0.reserve_gb: Input should be less than or equal to 1000000 (got 1e+300)"),
+    ("plan: {shadow_floor_gb: 1.0e+300}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n",
+     "fleet.yaml: plan.shadow_floor_gb: Input should be less than or equal to 1000000 (got 1e+300)"),
 ])
 def test_errors_name_file_and_field(tmp_path, body, where):
     with pytest.raises(FleetError) as e:
@@ -189,6 +198,17 @@ def test_cli_plan_free_gb_must_be_finite(tmp_path, capsys, value):
     card = FLEETS.parent / "models" / "glm-5.2.json"
     assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", f"box/cpu0={value}"]) == 2
     assert f"--free-gb 'box/cpu0={value}': GB must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_cli_plan_free_gb_must_be_a_size_in_gb(tmp_path, capsys):
+    """A --free-gb in bytes planned a device with room for everything; 1e300 was an OverflowError."""
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 2}\n")
+    card = FLEETS.parent / "models" / "glm-5.2.json"
+    for value in ("120000000000", "1e300"):
+        assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", f"box/cpu0={value}"]) == 2
+        assert (f"--free-gb 'box/cpu0={value}': GB (1e9 bytes) must be at most 1000000, got '{value}'"
+                in capsys.readouterr().err)
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cpu0=1000000"]) == 0
 
 
 def test_cli_plan_free_gb_must_name_an_auto_device(tmp_path, capsys):
