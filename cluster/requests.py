@@ -140,6 +140,13 @@ def parse_line(text: str, line: int) -> Request | InputError:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return InputError(line, f"line {line}: malformed JSON: {e.msg} at column {e.colno}")
+    except ValueError as e:  # valid JSON that Python refuses: an int of more digits than
+        # sys.get_int_max_str_digits(), or (below) nesting past the recursion limit; both
+        # ended the whole job with a traceback
+        return InputError(line, f"line {line}: cannot read its JSON: {str(e).split(';')[0]}")
+    except RecursionError:
+        return InputError(line, f"line {line}: cannot read its JSON: arrays or objects nested "
+                                f"too deeply")
     if not isinstance(obj, dict):
         return InputError(line, f"line {line}: expected a JSON object, got {type(obj).__name__}")
     try:  # a lone surrogate escape ("\ud800") parses, but no tokenizer or Parquet file takes it
@@ -147,6 +154,9 @@ def parse_line(text: str, line: int) -> Request | InputError:
     except UnicodeEncodeError as e:
         return InputError(line, f"line {line}: {e.object[e.start:e.end]!r} is a lone surrogate, "
                                 f"not valid Unicode text")
+    except RecursionError:  # (nested just under the parser's limit: not under the encoder's)
+        return InputError(line, f"line {line}: cannot read its JSON: arrays or objects nested "
+                                f"too deeply")
     raw_id = obj.get("id")
     rid = str(raw_id) if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
     prompt = obj.get("prompt") if isinstance(obj.get("prompt"), str) else None

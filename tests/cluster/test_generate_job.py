@@ -69,6 +69,12 @@ def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
         # could not be written, both ending the job)
         22: (json.dumps({"id": "v", "prompt": "x\ud800y"}), "lone surrogate"),
         23: (json.dumps({"id": "w\udc00", "prompt": "x"}), "lone surrogate"),
+        # JSON that Python's parser refuses (a ValueError and a RecursionError that ended
+        # the job): an int of 5000 digits, arrays nested 100000 deep
+        24: ('{"id": "d", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}",
+             "cannot read its JSON: Exceeds the limit"),
+        25: ('{"id": "n", "prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}",
+             "nested too deeply"),
     }
     lines = list(good)
     for at in sorted(bad):  # 1-based line numbers in the final file
