@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -252,7 +253,12 @@ class RayGroup:
         """placements: (spec, Ray actor options: num_cpus, resources, label_selector...)."""
         import ray
         actor_cls = ray.remote(Worker)
-        self.actors = [actor_cls.options(**opts).remote(spec) for spec, opts in placements]
+        # named (as ShardedGroup's are), so that another driver can find and kill one on any
+        # node: the soak's fault injector (cluster/soak/faults.py) kills a worker on another
+        # node by name, and skipped unnamed ones, so it never killed a replicated one there
+        tag = uuid.uuid4().hex[:6]
+        self.actors = [actor_cls.options(name=f"kvfleet-{tag}-{spec.name.replace('/', '.')}",
+                                         **opts).remote(spec) for spec, opts in placements]
         self.names = [spec.name for spec, _ in placements]
         self.capacities = [spec.slots for spec, _ in placements]
         self.step_timeout_s = step_timeout_s
