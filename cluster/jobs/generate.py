@@ -79,6 +79,14 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: exists and is not a directory "
                              f"(set by --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
+    try:  # (the store locks OUT for this run: let go of it however the run ends)
+        return _generate(cfg, prompts, out, store, tok, mcfg, t0, limit, progress)
+    finally:
+        store.close()
+
+
+def _generate(cfg: JobConfig, prompts, out, store: ResultStore, tok, mcfg, t0: float,
+              limit: int | None, progress: bool | None) -> Summary:
     done = store.done_keys()
     skipped, errors, items, changed = 0, [], [], []
     try:

@@ -13,6 +13,14 @@ Given the current input's keys, `finalize` keeps only their rows, at their curre
 `settings` (the job's tier, model, sampling defaults, context) go into every file's schema
 metadata; a rerun whose settings differ from those of the rows already there is refused,
 so one OUT never mixes results of two configurations.
+
+One run at a time per OUT: the store holds an exclusive lock on OUT.lock from its start to
+close() (kvstore/slots.py SlotLock, as `kvfleet kv convert` locks its output), and a second
+run is refused. Two runs (a `ray job submit` resubmitted while the first still runs, which
+a Ctrl-C of the submitting client does not stop) numbered their parts alike and removed
+each other's: after doing all its work, one ended on a part the other was replacing ("cannot
+read earlier results", exit 2), a part the other's finalize had removed (FileNotFoundError)
+or a parts folder the other was still writing into (OSError "Directory not empty").
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import pyarrow.parquet as pq
 
 from cluster.config import JobConfigError
 from cluster.requests import LATER_COLUMNS, SCHEMA, Result, result_key, results_table
+from kvstore.slots import SlotBusyError, SlotLock
 
 log = logging.getLogger(__name__)
 PART = re.compile(r"^part-(\d{6})\.parquet$")
@@ -52,12 +61,23 @@ class ResultStore:
         except OSError as e:  # (e.g. a regular file on the way)
             raise JobConfigError(f"--out {self.out}: cannot create its folder {self.out.parent} "
                                  f"({e.strerror})") from None
-        for stale in self.parts.glob("*.tmp") if self.parts.exists() else ():
-            stale.unlink()  # a part that was being written when a previous run died
-        self._next = 1 + max((int(m.group(1)) for p in self._part_files()
-                              if (m := PART.match(p.name))), default=0)
-        if settings is not None:
-            self._check_settings()
+        self._lock = _lock_out(self.out)
+        try:
+            for stale in self.parts.glob("*.tmp") if self.parts.exists() else ():
+                stale.unlink()  # a part that was being written when a previous run died
+            self._next = 1 + max((int(m.group(1)) for p in self._part_files()
+                                  if (m := PART.match(p.name))), default=0)
+            if settings is not None:
+                self._check_settings()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Lets OUT go for another run (removes OUT.lock). Idempotent."""
+        if self._lock is not None:
+            self._lock.close(remove=True)
+            self._lock = None
 
     def _check_settings(self) -> None:
         for path, found in self._settings_found():
@@ -174,6 +194,17 @@ class ResultStore:
         if self.parts.exists():
             shutil.rmtree(self.parts)
         return merged
+
+
+def _lock_out(out: Path) -> SlotLock:
+    try:
+        return SlotLock(str(out))
+    except SlotBusyError as e:
+        raise JobConfigError(f"--out {out}: another kvfleet generate (pid {e.holder}) is writing "
+                             f"it (it holds {e.lock_path}); wait for that run to end or stop it "
+                             f"(e.g. `ray job stop`), or give another --out") from None
+    except OSError as e:
+        raise JobConfigError(f"--out {out}: cannot lock it ({e.strerror}: {out}.lock)") from None
 
 
 def _write_atomic(table: pa.Table, path: Path) -> None:

@@ -189,6 +189,46 @@ def test_killed_job_keeps_its_parts_and_resumes(tiny, tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_a_second_run_on_the_same_out_is_refused(tiny, tmp_path):
+    """Two runs writing one OUT at once (a `ray job submit` resubmitted while the first still
+    runs: a Ctrl-C of the submitting client does not stop a job) numbered their parts alike
+    and removed each other's: one of them failed at its end (a part being replaced, a part
+    gone, a parts folder not empty). The second is refused while the first runs, and the OUT
+    is free again once the first has ended, however it ended."""
+    from cluster.config import JobConfigError
+    lines = prompt_lines(40, seed=4, max_tokens=20)
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {tiny}\nslots: 1\nmax_context: 64\nflush_every: 1\n"
+                   "workers: {runtime: inprocess}\n")
+    out = tmp_path / "out.parquet"
+    parts = tmp_path / "out.parquet.parts"
+    first = subprocess.Popen([sys.executable, "-m", "cluster", "generate", "--prompts",
+                              str(prompts), "--out", str(out), "--config", str(cfg)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while first.poll() is None and time.monotonic() < deadline and not (
+                parts.exists() and list(parts.glob("part-*.parquet"))):
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read().decode()[-2000:]
+        with pytest.raises(JobConfigError, match=rf"^--out {out}: another kvfleet generate "
+                                                 rf"\(pid {first.pid}\) is writing it"):
+            run_generate(load_job_config(cfg, env={}), prompts, out, progress=False)
+    finally:
+        first.kill()  # (a SIGKILL: no finally of its own lets go of the lock)
+        first.wait()
+    # a run that fails part way lets go of it too
+    with pytest.raises(JobConfigError, match="--prompts"):
+        run_generate(load_job_config(cfg, env={}), tmp_path, out, progress=False)
+    s = run_generate(load_job_config(cfg, env={}), prompts, out, progress=False)
+    assert s.skipped + s.done == len(lines) and s.skipped > 0
+    table = pq.read_table(out)
+    assert sorted(table.column("id").to_pylist()) == sorted(json.loads(x)["id"] for x in lines)
+    assert not (tmp_path / "out.parquet.lock").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code, said", [
     (signal.SIGTERM, 143, "stopped by SIGTERM"),
     (signal.SIGINT, 130, "interrupted; the finished rows are kept (in ")])
