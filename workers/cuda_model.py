@@ -19,10 +19,11 @@ kernel of kernels/cuda/attention.py (f16 operands, f32 accumulation: the documen
 < 2e-3 relative error per context), so logits match the numpy model within a tolerance,
 not bit for bit (tests/gpu/test_cuda_model.py states it).
 
-Kernel launches: gate and up projections are one GEMM ([2I, H] stacked at load), routed
-experts are one GEMM set per used expert (picks grouped on the host), and a token's routed
-outputs are summed in ascending expert order, as workers.moe.expert_sum adds them (both in
-workers.moe.grouped_expert_sum, shared with the numpy shards of expert parallelism).
+Kernel launches: gate and up projections are one GEMM ([2I, H] stacked at load); routed
+experts run in buckets of similar token counts, each bucket one batched GEMM per projection
+(batched_gated_mlp; picks grouped on the host), and a token's routed outputs are summed in
+ascending expert order, as workers.moe.expert_sum adds them (workers.moe.batched_expert_sum,
+shared with a cuda worker's expert shard).
 
 Expert parallel (`set_experts`, a `cuda` workers.ep_worker.ShardedWorker): the routed
 experts the worker owns stay on the GPU, handed over to its device ExpertShard
@@ -45,7 +46,7 @@ import numpy as np
 from workers.config import ModelConfig
 from workers.mla import project
 from workers.model import Model, check_batch, check_logits_at
-from workers.moe import grouped_expert_sum, route
+from workers.moe import batched_expert_sum, route
 from workers.rope import Rope
 from workers.weights import load_params
 
@@ -116,6 +117,52 @@ def gated_mlp(x, gate_up, down):
     return _kernels().silu_mul(t[:, :inter], t[:, inter:]) @ down.T
 
 
+def batched_gated_mlp(rows: np.ndarray, xs, gate_up, down):
+    """gated_mlp of G experts at once: rows [G] (host) of the stacks gate_up [n, 2I, H] and
+    down [n, H, I], xs [G, C, H] C-contiguous -> [G, C, H]: cuBLAS's batched float32 GEMM
+    (cublasSgemmBatched, whose pointer arrays name each expert's matrices where they lie: no
+    copy of the weights) for each projection, the fused SiLU-gate kernel between them. Used
+    by workers.moe.batched_expert_sum for the routed experts of CudaLayer and of a cuda
+    worker's ExpertShard."""
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas
+    G, C, H = xs.shape
+    inter = down.shape[-1]
+    if not (xs.flags.c_contiguous and gate_up.flags.c_contiguous and down.flags.c_contiguous):
+        raise ValueError("batched_gated_mlp needs C-contiguous xs, gate_up and down")
+    if gate_up.dtype != cp.float32 or down.dtype != cp.float32 or xs.dtype != cp.float32:
+        raise ValueError(f"batched_gated_mlp is float32: got xs {xs.dtype}, gate_up "
+                         f"{gate_up.dtype}, down {down.dtype}")
+    t = cp.empty((G, C, 2 * inter), cp.float32)
+    y = cp.empty((G, C, H), cp.float32)
+    rows = np.asarray(rows, np.int64)
+    g = np.arange(G, dtype=np.int64)
+    f4 = 4
+    ptrs = np.concatenate([
+        gate_up.data.ptr + rows * gate_up[0].nbytes, xs.data.ptr + g * (C * H * f4),
+        t.data.ptr + g * (C * 2 * inter * f4)]).astype(np.uint64)
+    dev = cp.asarray(ptrs)
+    handle = cp.cuda.device.get_cublas_handle()
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    T, N = cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N
+
+    def gemm(a, b, c, m, n, kk, lda):
+        # row-major C [n, m] = B [n, kk] . A^T with A [m, kk]: column-major C^T = op(A^T) B^T
+        cublas.sgemmBatched(handle, T, N, m, n, kk, one.ctypes.data, a, lda, b, kk,
+                            zero.ctypes.data, c, m, G)
+
+    step = 8 * G
+    gemm(dev.data.ptr, dev.data.ptr + step, dev.data.ptr + 2 * step, 2 * inter, C, H, H)
+    u = _kernels().silu_mul(t[..., :inter], t[..., inter:])  # [G, C, I], C-contiguous
+    ptrs2 = np.concatenate([down.data.ptr + rows * down[0].nbytes, u.data.ptr + g * (C * inter * f4),
+                            y.data.ptr + g * (C * H * f4)]).astype(np.uint64)
+    dev2 = cp.asarray(ptrs2)
+    gemm(dev2.data.ptr, dev2.data.ptr + step, dev2.data.ptr + 2 * step, H, C, inter, inter)
+    # (the pointer arrays stay referenced until the GEMMs have read them: the stream's order
+    # frees them only for later work)
+    return y
+
+
 def device_params(p: dict[str, np.ndarray]) -> dict:
     """One layer's host parameters -> device arrays: gate/up pairs stacked (FUSED), kv_b
     split into W_UK [H, Dn, Dl] and W_UV^T [H, Dl, Dv] by the caller, router bias left out
@@ -184,10 +231,10 @@ class CudaLayer:
 
     def _routed(self, y, idx: np.ndarray, w: np.ndarray):
         """sum_k w[n, k] * expert_{idx[n, k]}(y[n]) (idx, w: host [N, k]) through
-        workers.moe.grouped_expert_sum, the code of an expert-parallel worker's device shard."""
+        workers.moe.batched_expert_sum, the code of an expert-parallel worker's device shard."""
         import cupy as cp
         gu, down = self.d["experts.gate_up"], self.d["experts.down"]
-        return grouped_expert_sum(y, idx, w, lambda e, r: gated_mlp(r, gu[e], down[e]), cp)
+        return batched_expert_sum(y, idx, w, lambda e, xs: batched_gated_mlp(e, xs, gu, down), cp)
 
     def __call__(self, x, slots, positions, pool, cos, sin):
         eps, d = self.cfg.rms_norm_eps, self.d

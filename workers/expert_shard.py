@@ -12,8 +12,10 @@ plan pins (cluster/planner.py, carried by cluster.placement.split_owners) on its
 computes them there, on the model's device activations (only the rows of picks that go to
 peers or to host experts are downloaded), and its other experts in host memory, computed
 with numpy (`SplitShard`); metal and cpu workers, and a cuda worker that fell back to the
-numpy model, keep all of theirs in host memory and compute them with numpy. All run the same
-code (workers.moe.grouped_expert_sum, with the module and the expert MLP of the part's kind).
+numpy model, keep all of theirs in host memory and compute them with numpy. The host parts
+run workers.moe.grouped_expert_sum (one expert at a time); the GPU parts its bucketed form,
+workers.moe.batched_expert_sum (a bucket of experts per batched GEMM), which adds a token's
+outputs in the same order.
 
 Counters (per worker, since start), for the soak and the dashboards:
   expert_pins   routed experts held; expert_bytes their stacks' bytes (float32)
@@ -38,7 +40,7 @@ import numpy as np
 
 from workers import cuda_model
 from workers.config import ModelConfig
-from workers.moe import gated_mlp, grouped_expert_sum
+from workers.moe import batched_expert_sum, gated_mlp, grouped_expert_sum
 from workers.transport import ExpertTransport
 from workers.weights import name_table, open_checkpoint
 
@@ -145,12 +147,12 @@ class ExpertShard:
                            f"held here (held: {ids.tolist()})")
         if self.on_gpu:
             gate_up, down = stacks
-            mlp = lambda e, r: cuda_model.gated_mlp(r, gate_up[e], down[e])  # noqa: E731
-        else:
-            gate, up, down = stacks
-            mlp = lambda e, r: gated_mlp(r, gate[e], up[e], down[e])  # noqa: E731
-        with self.on_device():
-            return grouped_expert_sum(x, rows, w, mlp, self.xp)
+            with self.on_device():  # (a bucket of experts per batched GEMM: see batched_expert_sum)
+                return batched_expert_sum(
+                    x, rows, w, lambda e, xs: cuda_model.batched_gated_mlp(e, xs, gate_up, down),
+                    self.xp)
+        gate, up, down = stacks
+        return grouped_expert_sum(x, rows, w, lambda e, r: gated_mlp(r, gate[e], up[e], down[e]))
 
 
 def _rows(row_of: np.ndarray | None, idx: np.ndarray) -> np.ndarray:

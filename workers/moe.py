@@ -117,6 +117,72 @@ def grouped_expert_sum(x, idx: np.ndarray, w: np.ndarray, mlp: Callable, xp: Any
     return out
 
 
+def batched_expert_sum(x, idx: np.ndarray, w: np.ndarray, batched_mlp: Callable, xp: Any = np):
+    """grouped_expert_sum's sum with the experts' MLPs run a bucket at a time instead of one
+    expert at a time: `batched_mlp(rows [G] (host: the experts' stack rows, ascending),
+    xs [G, C, hidden]) -> [G, C, hidden]` runs G experts at once on C rows each (CuPy: a
+    batched GEMM per projection, workers.cuda_model.batched_gated_mlp). An expert's tokens
+    fill its C rows, padded with a zero row; experts are bucketed by their token count's next
+    power of two, so the padding is less than half of a bucket's rows and there are at most
+    log2(N) + 1 buckets. The weighted outputs are then added per token in ascending expert
+    order, exactly as grouped_expert_sum adds them: only the expert MLPs' own rounding (a
+    batched GEMM against one GEMM per expert) can differ. On the GPU this is a few launches
+    per bucket where the expert loop made four per expert (launch-bound at decode sizes:
+    scripts/bench_split_shard.py)."""
+    N, k = idx.shape
+    groups = picks_by_expert(idx)
+    out = xp.zeros_like(x)
+    if not groups:
+        return out
+    counts = np.array([len(pick) for _, pick in groups])
+    key = np.left_shift(1, np.ceil(np.log2(counts)).astype(np.int64))  # next power of two
+    buckets = [np.flatnonzero(key == b) for b in np.unique(key)]
+    # host tables: per bucket [G, C] token (N: the zero row) and flat pick (-1: padding);
+    # the padded output rows of all buckets follow each other, the zero row last
+    toks, picks, offs, total = [], [], [], 0
+    for gs in buckets:
+        C = int(counts[gs].max())
+        pk = np.full((len(gs), C), -1, np.int64)
+        for r, g in enumerate(gs):
+            pk[r, :counts[g]] = groups[g][1]
+        toks.append(np.where(pk >= 0, pk // k, N))
+        picks.append(pk)
+        offs.append(total)
+        total += pk.size
+    pick_row = np.empty(N * k, np.int64)  # flat pick -> its padded output row
+    for pk, off in zip(picks, offs):
+        live = pk.reshape(-1) >= 0
+        pick_row[pk.reshape(-1)[live]] = off + np.flatnonzero(live)
+    order = np.concatenate([pick for _, pick in groups])  # flat picks, ascending expert
+    tok = order // k
+    count = np.bincount(tok, minlength=N)
+    by_tok = np.argsort(tok, kind="stable")
+    place = np.empty(len(order), np.int64)
+    place[by_tok] = np.arange(len(order)) - (np.cumsum(count) - count)[tok[by_tok]]
+    depth = int(count.max())
+    back = np.full(N * depth, total, np.int64)  # [token, place] -> padded row (last: zeros)
+    back[tok * depth + place] = pick_row[order]
+    wf = np.append(np.asarray(w, np.float32).reshape(-1), np.float32(0))
+    wts = np.concatenate([wf[pk.reshape(-1)] for pk in picks])  # (padding: -1 -> the 0 appended)
+    # one upload of the integer tables and one of the weights
+    ints = xp.asarray(np.concatenate([t.reshape(-1) for t in toks] + [back]))
+    wts = xp.asarray(wts[:, None])
+    xz = xp.concatenate([x, xp.zeros((1, x.shape[1]), x.dtype)])
+    ys = xp.empty((total + 1, x.shape[1]), x.dtype)
+    ys[-1] = 0
+    a = 0
+    for gs, t, off in zip(buckets, toks, offs):
+        G, C = t.shape
+        xs = xp.take(xz, ints[a:a + G * C], axis=0).reshape(G, C, -1)
+        xp.multiply(batched_mlp(np.array([groups[g][0] for g in gs]), xs).reshape(G * C, -1),
+                    wts[off:off + G * C], out=ys[off:off + G * C])
+        a += G * C
+    z = xp.take(ys, ints[a:], axis=0).reshape(N, depth, -1)
+    for j in range(depth):
+        out += z[:, j]
+    return out
+
+
 def picks_by_expert(idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """The picks of idx [N, k] grouped by expert, ascending: [(expert, flat pick indices
     into idx.reshape(-1), ascending)]; pick // k is the token. Picks with idx < 0 are skipped."""

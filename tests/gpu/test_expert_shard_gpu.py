@@ -101,6 +101,39 @@ def test_device_shard_equals_the_host_shard(seed):
     assert isinstance(none, cp.ndarray) and not none.get().any()
 
 
+def test_batched_gated_mlp_equals_one_gemm_per_expert():
+    """cuda_model.batched_gated_mlp (cublasSgemmBatched over pointer arrays into the stacks)
+    against cuda_model.gated_mlp expert by expert: shuffled, repeated and last stack rows,
+    rows of very different sizes, a NaN row that stays in its own row, zero padding rows
+    exactly zero; and the stacks are not copied (the pool grows by the outputs only)."""
+    from workers import cuda_model
+    rng = np.random.default_rng(31)
+    E, H, I, G, C = 9, 64, 40, 6, 5
+    gate, up, down = stacks(rng, E, H, I)
+    gu = cp.asarray(np.concatenate([gate, up], axis=1))
+    dn = cp.asarray(down)
+    rows = np.array([8, 3, 0, 3, 5, 1])  # (a row twice, the last row)
+    xs = activations(rng, G * C, H).reshape(G, C, H)
+    xs[:, -1] = 0.0  # padding rows
+    xd = cp.asarray(xs)
+    pool = cp.get_default_memory_pool()
+    before = pool.used_bytes()
+    got = cuda_model.batched_gated_mlp(rows, xd, gu, dn)
+    cp.cuda.Device().synchronize()
+    assert pool.used_bytes() - before < 4 * G * C * (H + 2 * I) + 4096  # (no stack copy)
+    got = got.get()
+    assert got.shape == (G, C, H) and got.dtype == np.float32
+    for g, e in enumerate(rows):
+        ref = cuda_model.gated_mlp(xd[g], gu[e], dn[e]).get()
+        assert_close(got[g], ref)
+        assert not got[g, -1].any()
+    nan_g, nan_c = divmod(2, C)  # (activations: token 2 has a NaN)
+    assert np.isnan(got[nan_g, nan_c]).all()
+    assert np.isfinite(np.delete(got.reshape(G * C, H), 2, axis=0)).all()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuda_model.batched_gated_mlp(rows, xd[:, ::2], gu, dn)
+
+
 def test_add_of_gained_experts_on_the_device():
     """Experts gained after a peer's death come as host arrays (read_experts): the device
     shard uploads and appends them, and computes them as the host shard does."""

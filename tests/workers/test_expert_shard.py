@@ -11,7 +11,7 @@ import pytest
 
 from workers.expert_shard import ExpertShard, ShardedExperts, SplitShard
 from expert_data import activations, bits, hostile_routing, stacks
-from workers.moe import expert_sum, gated_mlp, grouped_expert_sum
+from workers.moe import batched_expert_sum, expert_sum, gated_mlp, grouped_expert_sum
 from workers.transport import LocalTransport
 
 
@@ -46,6 +46,68 @@ def test_grouped_sum_edge_batches():
         w = rng.standard_normal(idx.shape).astype(np.float32)
         np.testing.assert_array_equal(bits(grouped_expert_sum(x[:n], idx, w, mlp)),
                                       bits(expert_sum(x[:n], idx, w, gate, up, down)))
+
+
+def _row_mlp(gate, up, down):
+    """(mlp(e, rows), batched_mlp(es, xs [G, C, H])) that run gated_mlp one row at a time, so
+    that a row's result cannot depend on the rows beside it (BLAS may block by row count):
+    then the bucketed sum must equal the expert loop's bit for bit, which checks its padding,
+    weights and order of additions exactly."""
+    def mlp(e, r):
+        return np.concatenate([gated_mlp(r[i:i + 1], gate[e], up[e], down[e])
+                               for i in range(len(r))]) if len(r) else r
+    seen = []
+
+    def batched(es, xs):
+        assert xs.ndim == 3 and xs.shape[0] == len(es) and list(es) == sorted(es)
+        seen.append(xs.shape[:2])
+        return np.stack([mlp(e, x) for e, x in zip(es, xs)])
+    return mlp, batched, seen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_sum_equals_the_expert_loop(seed):
+    """workers.moe.batched_expert_sum (the GPU shards' and CudaLayer's routed experts) against
+    grouped_expert_sum on hostile routing whose experts have 1 .. N tokens (many buckets):
+    the same bits, every expert of a bucket padded to its largest count with less than half
+    padding, a token with no pick zeros, the NaN token's NaN only in its own row."""
+    rng = np.random.default_rng(60 + seed)
+    E, H, I, N, k = 11, 20 + seed, 12, 37, 5
+    gate, up, down = stacks(rng, E, H, I)
+    x = activations(rng, N, H)
+    idx, w = hostile_routing(rng, N, E, k)
+    idx[:, 0] = np.where(np.arange(N) % (seed + 2) == 0, 0, idx[:, 0])  # expert 0: a big bucket
+    idx[1] = -1
+    for n in range(N):  # (distinct picks per token, as the router makes them)
+        row = idx[n][idx[n] >= 0]
+        if len(set(row.tolist())) < len(row):
+            idx[n, 1:] = -1
+    mlp, batched, seen = _row_mlp(gate, up, down)
+    ref = grouped_expert_sum(x, idx, w, mlp)
+    got = batched_expert_sum(x, idx, w, batched)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+    assert not got[1].any()
+    counts = np.bincount(idx[idx >= 0], minlength=E)
+    assert sum(g for g, _ in seen) == (counts > 0).sum() and len(seen) > 2
+    assert sum(g * c for g, c in seen) < 2 * counts.sum()
+
+
+def test_batched_sum_edge_batches():
+    """No pick at all, one token with one pick, every token picking every expert (one bucket),
+    and one expert picked by every token beside experts picked once."""
+    rng = np.random.default_rng(12)
+    E, H, I = 6, 16, 8
+    gate, up, down = stacks(rng, E, H, I)
+    mlp, batched, _ = _row_mlp(gate, up, down)
+    x = activations(rng, 9, H)
+    none = np.full((9, 2), -1)
+    assert not batched_expert_sum(x, none, np.ones((9, 2), np.float32), batched).any()
+    for idx in (np.array([[4]]), np.array([rng.permutation(E)] * 9),
+                np.stack([[0, 1 + n % (E - 1)] for n in range(9)])):
+        n = len(idx)
+        w = rng.standard_normal(idx.shape).astype(np.float32)
+        np.testing.assert_array_equal(bits(batched_expert_sum(x[:n], idx, w, batched)),
+                                      bits(grouped_expert_sum(x[:n], idx, w, mlp)))
 
 
 def test_host_shard_computes_its_rows_with_shuffled_ids_and_gained_experts():
