@@ -240,13 +240,14 @@ def plan_fleet(fleet: Fleet, fp: Footprint,
                free_bytes: Mapping[str, int] | Callable[[DeviceSpec], int] | None = None, *,
                tier: str | None = None, ctx: int | None = None, experts: str | None = None,
                slots: int | None = None, usage: np.ndarray | None = None,
-               loaded: bool = False) -> planner.Plan:
+               loaded: bool = False, block: int = planner.BLOCK) -> planner.Plan:
     """The budget plan of `fleet` for the model `fp`. tier / ctx / experts: None takes the
     fleet file's `plan.*`; the shadow floor is always its `plan.shadow_floor_gb`. slots:
     overrides every node's `slots`. loaded: cuda devices counted as a kvfleet job's workers
-    hold them (planner.plan). Raises FleetError or PlanError."""
+    hold them (planner.plan). block: the KV pool's tokens per block (the job's block_size).
+    Raises FleetError or PlanError."""
     d = fleet.plan
     return planner.plan(fp, device_budgets(fleet, free_bytes, slots=slots),
                         tier=d.kv if tier is None else tier, ctx=d.ctx if ctx is None else ctx,
                         experts=d.experts if experts is None else experts, usage=usage,
-                        shadow_floor_bytes=round(d.shadow_floor_gb * GB), loaded=loaded)
+                        shadow_floor_bytes=round(d.shadow_floor_gb * GB), loaded=loaded, block=block)

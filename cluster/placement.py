@@ -7,7 +7,8 @@ num_gpus=1 only together with those (Ray also counts Apple GPUs as GPUs). Withou
 `workers.count` cpu workers with `workers.resources` / `label_selector` as given.
 
 With a fleet, the devices are planned by cluster.fleet.plan_fleet as `kvfleet plan` plans
-them (the fleet's plan.shadow_floor_gb; the job's kv and max_context), with the experts in
+them (the fleet's plan.shadow_floor_gb; the job's kv, max_context and block_size, in whose
+whole blocks its workers' pools hold each slot's context), with the experts in
 the format the job loads, workers.weights.EXPERT_FORMAT (bf16: the loader reads no int4 or
 fp8 experts), whatever the fleet's plan.experts says (a warning says when it differs), and
 with `loaded=True`: a cuda device's dense weights and pinned experts count the float32 its
@@ -69,7 +70,7 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
         _check_count(cfg, fleet)
         p = plan_fleet(fleet, Footprint.from_file(cfg.model), free_bytes,  # "auto": on the driver
                        tier=cfg.kv, ctx=cfg.max_context, experts=EXPERT_FORMAT, slots=slots,
-                       loaded=True)
+                       loaded=True, block=cfg.block_size)
     except FleetError as e:  # also a failed probe of an "auto" device
         raise JobConfigError(f"workers.fleet: {e}") from None
     except PlanError as e:

@@ -33,7 +33,10 @@ checkpoint's format everywhere (the C engine's table).
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
 row of every slot: slots x ctx x cached layers x kv8 token bytes. (Here and in the pool,
-ctx is counted in whole blocks of BLOCK tokens, as the pool allocates them.) A CUDA device smaller
+ctx is counted in whole blocks, as the pool allocates them: KVPool.for_model gives each slot
+ceil(ctx / block_size) blocks of block_size tokens, so 2048 tokens in 1500-token blocks hold
+3000. The job's plan uses its block_size; `kvfleet plan`, BLOCK, the job's default, unless
+--block-size.) A CUDA device smaller
 than SHADOW_FLOOR_GB gets none: on a 24 GB card the shadow of a single 128k GLM-5 slot
 (6 GB) is a quarter of memory, better spent on the pool and pinned experts; such a device
 uploads host rows straight into its pool. CPU and Metal devices read host memory directly.
@@ -62,7 +65,7 @@ from workers.weights import PARAM_DTYPE, loaded_bytes
 GB = 10**9
 SHADOW_FLOOR_GB = 32.0
 SHADOW_TIER = "kv8"
-BLOCK = 16  # pool block size: a slot holds whole blocks, so ctx is counted in whole blocks
+BLOCK = 16  # default pool block size (JobConfig.block_size): a slot holds whole blocks
 KINDS = ("cuda", "cpu", "metal")
 
 
@@ -257,6 +260,7 @@ class Plan:
     devices: tuple[DevicePlan, ...]
     host: np.ndarray = field(repr=False)  # [n, 2] experts pinned nowhere
     experts_even: bool = False  # an even share fitted every device: dealt out round-robin
+    block: int = BLOCK  # tokens per pool block: each slot's ctx is counted in whole blocks
 
     @property
     def warnings(self) -> list[str]:
@@ -280,7 +284,8 @@ class Plan:
         fp, layers = self.footprint, self.footprint.run_moe_layers
         return {
             "model": fp.config.source, "model_type": fp.config.model_type, "tier": self.tier.name,
-            "ctx": self.ctx, "expert_format": self.expert_format.name, "expert_bytes": self.expert_bytes,
+            "ctx": self.ctx, "block_size": self.block, "expert_format": self.expert_format.name,
+            "expert_bytes": self.expert_bytes,
             "cached_layers": fp.cached_layers, "moe_layers": len(layers),
             # the experts planned (a job loads them); the MTP layers' are not
             "routed_experts": fp.run_experts, "mtp_experts": fp.routed_experts - fp.run_experts,
@@ -314,37 +319,40 @@ def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int) -> tupl
 
 
 def max_context(fp: Footprint, dev: DeviceBudget, tier: str | Tier,
-                shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB), dense: int | None = None) -> int:
-    """Longest context (whole blocks) every slot of `dev` could have under `tier`, no experts
-    pinned; dense: the dense weights' bytes there (default fp.dense_bytes)."""
+                shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB), dense: int | None = None,
+                block: int = BLOCK) -> int:
+    """Longest context (whole blocks of `block` tokens) every slot of `dev` could have under
+    `tier`, no experts pinned; dense: the dense weights' bytes there (default fp.dense_bytes)."""
     room = dev.capacity - (fp.dense_bytes if dense is None else dense)
     per = sum(_per_token(fp, dev, get_tier(tier), shadow_floor_bytes))
-    return 0 if room <= 0 else (room // per) // BLOCK * BLOCK
+    return 0 if room <= 0 else (room // per) // block * block
 
 
 def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ctx: int,
          experts: str | WeightFormat = "bf16", usage: np.ndarray | None = None,
          shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB),
-         report_tiers: Sequence[str] = ("f32", "kv8", "tq4"), loaded: bool = False) -> Plan:
+         report_tiers: Sequence[str] = ("f32", "kv8", "tq4"), loaded: bool = False,
+         block: int = BLOCK) -> Plan:
     """Plan every device; raise PlanError when a device cannot hold its dense weights and KV.
     loaded: count cuda devices as a kvfleet job's workers hold them (device_bytes; see the
-    module docstring)."""
+    module docstring). block: the pool's tokens per block (the job's block_size)."""
     tier, fmt = get_tier(tier), get_format(experts)
-    if ctx < 1 or not devices:
-        raise PlanError(f"need ctx >= 1 and at least one device, got {ctx=}, {len(devices)} devices")
+    if ctx < 1 or block < 1 or not devices:
+        raise PlanError(f"need ctx >= 1, block >= 1 and at least one device, got {ctx=}, {block=}, "
+                        f"{len(devices)} devices")
     if len({d.name for d in devices}) != len(devices):
         raise PlanError(f"device names must be unique: {[d.name for d in devices]}")
     eb = fp.expert_bytes(fmt)
     sizes = [device_bytes(fp, dev.kind, fmt, loaded) for dev in devices]  # (dense, expert) each
     fixed, rooms = [], []
-    held = -(-ctx // BLOCK) * BLOCK  # (KVPool.for_model gives each slot ceil(ctx / BLOCK) blocks)
+    held = -(-ctx // block) * block  # (KVPool.for_model gives each slot ceil(ctx / block) blocks)
     for dev, (dense, _) in zip(devices, sizes):
         kv, idx, sh = (held * b for b in _per_token(fp, dev, tier, shadow_floor_bytes))
         if dense > dev.capacity:
             raise PlanError(f"device {dev.name}: dense weights need {gb(dense)} but its budget is "
                             f"{gb(dev.capacity)} ({gb(dev.memory_bytes)} - reserve {gb(dev.reserve_bytes)})")
         if dense + kv + idx + sh > dev.capacity:
-            longest = {t: max_context(fp, dev, t, shadow_floor_bytes, dense) for t in report_tiers}
+            longest = {t: max_context(fp, dev, t, shadow_floor_bytes, dense, block) for t in report_tiers}
             raise PlanError(
                 f"device {dev.name}: dense weights {gb(dense)} + {tier.name} KV pool {gb(kv)} + indexer "
                 f"{gb(idx)} + shadow {gb(sh)} for {dev.slots} slot(s) x {ctx} tokens exceed its budget "
@@ -359,8 +367,8 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
                    int((a.pinned & (a.owner == w)).sum()) * e, len(host),
-                   {t: max_context(fp, dev, t, shadow_floor_bytes, dense) for t in report_tiers},
+                   {t: max_context(fp, dev, t, shadow_floor_bytes, dense, block) for t in report_tiers},
                    int(on_host[w].sum()) * expert_f32 + (dense_f32 if dev.kind == "cpu" else 0))
         for w, (dev, (dense, e), (kv, idx, sh)) in enumerate(zip(devices, sizes, fixed)))
-    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even)
+    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even, block)
 

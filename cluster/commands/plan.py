@@ -10,6 +10,8 @@ A fleet plan counts weights in the checkpoint's format (or `--experts`), as the 
 stores them. `--as-job` plans the fleet as `kvfleet generate` does instead (its placement,
 cluster/placement.py): bf16 experts, and on cuda devices the dense weights and pinned
 experts as the float32 arrays its CuPy workers upload (cluster/planner.py, loaded).
+A fleet plan counts each slot's context in whole KV pool blocks, as the job's pool holds it:
+--block-size tokens (the job's block_size), 16 by default.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from cluster.config import REPO_ROOT
 from cluster.fleet import MAX_GB, Fleet, FleetError, plan_fleet
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import free_bytes
-from cluster.planner import GB, PlanError
+from cluster.planner import BLOCK, GB, PlanError
 from kernels.tiers import TIERS
 from workers.config import ConfigError
 from workers.weights import EXPERT_FORMAT
@@ -39,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-config", type=Path, help="model config.json (default: the fleet's `model`)")
     p.add_argument("--ctx", type=int, help="context tokens per slot (default: the fleet's plan.ctx)")
     p.add_argument("--slots", type=int, help="slots per device (overrides every node's `slots`)")
+    p.add_argument("--block-size", type=int, help=f"tokens per KV pool block, the job's block_size (default "
+                   f"{BLOCK}): a slot holds ceil(ctx / block size) blocks")
     p.add_argument("--kv", choices=sorted(TIERS), help="KV tier (default: the fleet's plan.kv, else f32)")
     p.add_argument("--experts", choices=sorted(WEIGHT_FORMATS), help="routed expert weight format")
     p.add_argument("--as-job", action="store_true",
@@ -94,7 +98,7 @@ def _free(specs: list[str]) -> dict[str, int]:
 
 
 FLEET_ONLY = (("usage", "--usage"), ("experts", "--experts"), ("free_gb", "--free-gb"),
-              ("as_job", "--as-job"))
+              ("as_job", "--as-job"), ("block_size", "--block-size"))
 
 
 def _job_config_hint(path: Path) -> str | None:
@@ -122,7 +126,8 @@ def _job_config_hint(path: Path) -> str | None:
     return (head + f". Its fleet, planned as the job plans it: kvfleet plan --config "
             f"{_shown(fleet)} --model-config {_shown(cfg.model / 'config.json')} --ctx "
             f"{cfg.max_context} --kv {cfg.kv} --experts {EXPERT_FORMAT} --as-job"
-            + (f" --slots {cfg.slots}" if "slots" in data else ""))
+            + (f" --slots {cfg.slots}" if "slots" in data else "")
+            + (f" --block-size {cfg.block_size}" if cfg.block_size != BLOCK else ""))
 
 
 def _shown(p: Path) -> str:
@@ -136,6 +141,7 @@ def _shown(p: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     _positive("--ctx", args.ctx)
     _positive("--slots", args.slots)
+    _positive("--block-size", args.block_size)
     if args.config is None:
         given = [flag for attr, flag in FLEET_ONLY if getattr(args, attr)]
         if given:  # (the pool table does not use them: it would print as if it had)
@@ -171,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
             return free_bytes(spec)  # read on this machine, also for a device of another node
 
         p = plan_fleet(fleet, fp, measure, tier=args.kv, ctx=args.ctx, experts=experts,
-                       slots=args.slots, usage=_usage(args.usage), loaded=args.as_job)
+                       slots=args.slots, usage=_usage(args.usage), loaded=args.as_job,
+                       block=args.block_size or BLOCK)
     except (FleetError, PlanError) as e:  # a failed probe is a FleetError naming file and device
         raise UsageError(str(e)) from None
     out = p.to_dict()

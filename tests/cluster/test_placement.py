@@ -165,3 +165,42 @@ def test_int4_fleet_job_and_printed_plan_split_experts_alike(tmp_path, capsys, c
     assert d["experts_even"] and [v["pinned_experts"] for v in d["devices"]] == [8, 8, 8]
     assert any("kvfleet generate loads bf16 experts" in w and "--experts bf16" in w for w in d["warnings"])
     assert "plan.experts=int4, but the job loads bf16 experts" in caplog.text  # the job's log says so
+
+
+@pytest.mark.parametrize("block_size, kv", [(1500, "f32"), (7, "kv8"), (16, "tq4"), (2048, "kv8")])
+def test_job_plan_counts_the_kv_pool_its_workers_allocate(tmp_path, capsys, block_size, kv):
+    """A worker's pool gives each slot ceil(max_context / block_size) blocks of the job's
+    block_size (KVPool.for_model, which DevicePool and MLXKVPool inherit): 2048 tokens in
+    1500-token blocks hold 3000 a slot. The job's plan counted whole 16-token blocks (2048),
+    so its room for experts took the difference from memory the pool had already used, and
+    a device with room for 2048 tokens a slot was planned although its pool does not fit."""
+    from cluster.footprint import Footprint
+    from kvstore.pool import KVPool
+    mini = REPO_ROOT / "models" / "kvfleet-mini"
+    fp = Footprint.from_file(mini / "config.json")
+    ctx, slots = 2048, 3
+    pool = KVPool.for_model(fp.config, kv, slots, ctx, block_size=block_size)
+    real = pool.bytes_capacity()
+    assert real == slots * -(-ctx // block_size) * block_size * fp.kv_bytes_per_token(kv)
+    room = 5 * fp.expert_bytes("bf16") + 12345
+    gb = (fp.dense_bytes + real + room) / 1e9
+    fleet = write(tmp_path / "f.yaml", f"nodes:\n  - {{name: h, kind: cpu, memory: {gb!r}, reserve_gb: 0, "
+                                       f"slots: {slots}}}\n")
+    cfg = job(model=str(mini), kv=kv, max_context=ctx, block_size=block_size, workers={"fleet": str(fleet)})
+    [p] = fleet_placements(cfg)
+    assert p.expert_room == round(gb * 1e9) - fp.dense_bytes - real
+    # `kvfleet plan --config JOB` points at the plan the job makes, with its block size
+    job_yaml = write(tmp_path / "job.yaml", f"model: {mini}\nkv: {kv}\nmax_context: {ctx}\n"
+                     f"block_size: {block_size}\nworkers: {{fleet: {fleet}}}\n")
+    assert main(["plan", "--config", str(job_yaml)]) == 2
+    hint = capsys.readouterr().err.split("kvfleet plan ", 1)[1].split()
+    assert main(["plan", *hint, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["devices"][0]["kv_pool_bytes"] == real and d["block_size"] == block_size
+    assert d["devices"][0]["free_bytes"] + d["devices"][0]["pinned_expert_bytes"] == p.expert_room
+    assert all(n % block_size == 0 for n in d["devices"][0]["max_ctx"].values())
+    if real > slots * ctx * fp.kv_bytes_per_token(kv):  # a budget for ctx tokens a slot, not the pool
+        gb = (fp.dense_bytes + slots * ctx * fp.kv_bytes_per_token(kv)) / 1e9
+        write(fleet, f"nodes:\n  - {{name: h, kind: cpu, memory: {gb!r}, reserve_gb: 0, slots: {slots}}}\n")
+        with pytest.raises(JobConfigError, match="exceed its budget"):
+            fleet_placements(cfg)
