@@ -247,6 +247,8 @@ def plan_fleet(fleet: Fleet, fp: Footprint,
     hold them (planner.plan). block: the KV pool's tokens per block (the job's block_size).
     Raises FleetError or PlanError."""
     d = fleet.plan
+    if tier is None and (why := fp.tier_error(d.kv)):
+        raise FleetError(f"{fleet.source}: plan.kv: {why} ({fp.config.source})")
     return planner.plan(fp, device_budgets(fleet, free_bytes, slots=slots),
                         tier=d.kv if tier is None else tier, ctx=d.ctx if ctx is None else ctx,
                         experts=d.experts if experts is None else experts, usage=usage,

@@ -193,6 +193,11 @@ class Footprint:
         """KV bytes per token per cached layer."""
         return get_tier(tier).token_bytes(self.config.kv_lora_rank, self.config.qk_rope_head_dim)
 
+    def tier_error(self, tier: str | Tier) -> str | None:
+        """Why the KV pool refuses `tier` at this model's widths (tq4 and polar need
+        power-of-two ones), or None when it takes it: Tier.width_error."""
+        return get_tier(tier).width_error(self.config.kv_lora_rank, self.config.qk_rope_head_dim)
+
     def kv_bytes_per_token(self, tier: str | Tier) -> int:
         """KV bytes per token over all cached layers (MTP included)."""
         return self.cached_layers * self.kv_token_bytes(tier)

@@ -68,7 +68,10 @@ def fleet_placements(cfg: JobConfig) -> list[Placement]:
     try:
         fleet = Fleet.from_file(w.fleet if w.fleet.is_absolute() else REPO_ROOT / w.fleet)
         _check_count(cfg, fleet)
-        p = plan_fleet(fleet, Footprint.from_file(cfg.model), free_bytes,  # "auto": on the driver
+        fp = Footprint.from_file(cfg.model)
+        if why := fp.tier_error(cfg.kv):  # (the workers' pools would refuse it, one traceback each)
+            raise JobConfigError(f"kv={cfg.kv} (--kv, KVFLEET_KV, KV_TQ): {why} ({fp.config.source})")
+        p = plan_fleet(fleet, fp, free_bytes,  # "auto": on the driver
                        tier=cfg.kv, ctx=cfg.max_context, experts=EXPERT_FORMAT, slots=slots,
                        loaded=True, block=cfg.block_size)
     except FleetError as e:  # also a failed probe of an "auto" device

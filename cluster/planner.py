@@ -342,6 +342,10 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
                         f"{len(devices)} devices")
     if len({d.name for d in devices}) != len(devices):
         raise PlanError(f"device names must be unique: {[d.name for d in devices]}")
+    if why := fp.tier_error(tier):  # (a plan the job's pool would refuse)
+        raise PlanError(f"{fp.config.source}: {why}")
+    # the longest context of each tier the pool takes at these widths (tq4 may not be one)
+    report_tiers = [t for t in report_tiers if fp.tier_error(t) is None]
     eb = fp.expert_bytes(fmt)
     sizes = [device_bytes(fp, dev.kind, fmt, loaded) for dev in devices]  # (dense, expert) each
     fixed, rooms = [], []

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kernels.cpu.rotation import rotatable
+
 # Codec ids of the C engine's COLIKV3 header tag (h[7] = codec << 8 | bits).
 CODEC_POLAR = 0
 CODEC_TQ = 1
@@ -72,6 +74,16 @@ class Tier:
             return n // 2
         b, deep = self.bits, max(1, self.bits - 1)
         return math.ceil(((n // 2) * b + (n // 2 - 1) * deep) / 8)
+
+    def width_error(self, kv_lora: int, rope: int) -> str | None:
+        """Why a KV pool of this tier refuses rows of these widths, or None when it takes
+        them: tq and polar rotate rows, which needs power-of-two widths 2..2048 (the codecs
+        store any other width as inert zeros, which attention would read as nothing). The
+        pools and the planner both ask here, so a plan never holds a tier its job refuses."""
+        if self.kind in ("tq", "polar") and not (rotatable(kv_lora) and rotatable(rope)):
+            return (f"tier {self.name} rotates rows, which needs power-of-two widths 2..2048; "
+                    f"this model has kv_lora_rank {kv_lora} and qk_rope_head_dim {rope}: use f32 or kv8")
+        return None
 
     def scale_bytes(self) -> int:
         """Bytes of the per-row scale on disk (f32 rows have none)."""

@@ -20,7 +20,6 @@ import numpy as np
 from kernels.cpu import codecs
 from kernels.cpu.attention import LayerPlanes, paged_mla_attention
 from kernels.cpu.consumers import WorkCounter
-from kernels.cpu.rotation import rotatable
 from kernels.tiers import Tier, get_tier
 
 
@@ -68,11 +67,9 @@ class KVPool:
         if n_blocks <= 0 or block_size <= 0 or max_slots <= 0:
             raise ValueError(f"{n_blocks=}, {block_size=} and {max_slots=} must be positive")
         self.tier = get_tier(tier)
-        if self.tier.kind in ("tq", "polar") and not (rotatable(kv_lora) and rotatable(rope)):
-            # (the codecs store such rows as inert zeros: a pool of them would attend to nothing)
-            raise ValueError(f"tier {self.tier.name} rotates rows, which needs power-of-two "
-                             f"widths 2..2048; this model has kv_lora_rank {kv_lora} and "
-                             f"qk_rope_head_dim {rope}: use f32 or kv8")
+        why = self.tier.width_error(kv_lora, rope)
+        if why:  # (the codecs store such rows as inert zeros: a pool of them would attend to nothing)
+            raise ValueError(why)
         self.n_layers, self.kv_lora, self.rope = n_layers, kv_lora, rope
         self.block_size, self.n_blocks, self.max_slots = block_size, n_blocks, max_slots
         nb = max_blocks_per_slot or n_blocks

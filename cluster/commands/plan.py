@@ -4,7 +4,9 @@
     kvfleet plan --model-config configs/models/glm-5.2.json --ctx 262144 [--slots N] [--kv kv8] --json
 
 Without a fleet file it prints the KV pool of `slots` slots at `ctx` tokens for the chosen
-tier and, for comparison, every tier.
+tier and, for comparison, every tier. tq4 and polar need power-of-two row widths (2..2048):
+for a model without them they show as unavailable, and asking for one (--kv, the fleet's
+plan.kv) is an error, as the job's KV pool refuses them.
 
 A fleet plan counts weights in the checkpoint's format (or `--experts`), as the C engine
 stores them. `--as-job` plans the fleet as `kvfleet generate` does instead (its placement,
@@ -59,6 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _positive(name: str, v: int | None) -> None:
     if v is not None and v < 1:
         raise UsageError(f"{name} must be >= 1, got {v}")
+
+
+def _tier_fits(fp: Footprint, tier: str | None) -> None:
+    """--kv TIER must be one the job's KV pool takes at the model's widths."""
+    if tier is not None and (why := fp.tier_error(tier)):
+        raise UsageError(f"--kv {tier}: {why} ({fp.config.source})")
 
 
 def _footprint(path: Path | None) -> Footprint:
@@ -163,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(hint) from None
             raise
         fp = _footprint(args.model_config or fleet.model_path())
+        _tier_fits(fp, args.kv)  # (the fleet's plan.kv is checked by plan_fleet, naming it)
         free, probed = _free(args.free_gb), []
         auto = [d.name for d in fleet.devices() if d.node.memory == "auto"]
         unknown = sorted(set(free) - set(auto))
@@ -198,6 +207,7 @@ def _pool_only(args: argparse.Namespace) -> int:
     if args.model_config is None or args.ctx is None:
         raise UsageError("without --config, pass --model-config FILE and --ctx N")
     fp = _footprint(args.model_config)
+    _tier_fits(fp, args.kv)
     slots, tier = args.slots or 1, args.kv or "f32"
     out = {
         "model": str(args.model_config), "model_type": fp.config.model_type, "tier": tier, "ctx": args.ctx,
@@ -208,7 +218,11 @@ def _pool_only(args: argparse.Namespace) -> int:
         "index_pool_bytes": fp.index_pool_bytes(slots, args.ctx),
         "dense_bytes": fp.dense_bytes, "routed_experts": fp.run_experts,
         "mtp_experts": fp.routed_experts - fp.run_experts,
-        "tiers": {t: {"kv_bytes_per_token": fp.kv_bytes_per_token(t), "kv_pool_bytes": fp.kv_pool_bytes(t, slots, args.ctx)}
+        # a tier the pool refuses at these widths (tq4 and polar need power-of-two ones) has
+        # no sizes, only the reason
+        "tiers": {t: {"kv_bytes_per_token": None, "kv_pool_bytes": None, "unavailable": why} if (
+                      why := fp.tier_error(t)) else
+                  {"kv_bytes_per_token": fp.kv_bytes_per_token(t), "kv_pool_bytes": fp.kv_pool_bytes(t, slots, args.ctx)}
                   for t in TIERS},
     }
     if args.json:
@@ -218,7 +232,14 @@ def _pool_only(args: argparse.Namespace) -> int:
     print(f"{'tier':<8} {'bytes/token':>12} {'KV pool':>12}")
     for t, v in out["tiers"].items():
         mark = " <" if t == tier else ""
-        print(f"{t:<8} {v['kv_bytes_per_token']:>12} {size(v['kv_pool_bytes']):>12}{mark}")
+        if v["kv_pool_bytes"] is None:
+            print(f"{t:<8} {'unavailable':>12} {'-':>12}")
+        else:
+            print(f"{t:<8} {v['kv_bytes_per_token']:>12} {size(v['kv_pool_bytes']):>12}{mark}")
+    off = [t for t, v in out["tiers"].items() if v["kv_pool_bytes"] is None]
+    if off:
+        print(f"unavailable ({', '.join(off)}): they rotate rows, which needs power-of-two widths "
+              f"2..2048; kv_lora_rank {fp.config.kv_lora_rank}, qk_rope_head_dim {fp.config.qk_rope_head_dim}")
     print(f"DSA indexer: {out['indexer_layers']} layers, {out['index_bytes_per_token']} B/token, "
           f"{size(out['index_pool_bytes'])} (not in the KV pool)")
     return 0

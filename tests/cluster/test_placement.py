@@ -204,3 +204,18 @@ def test_job_plan_counts_the_kv_pool_its_workers_allocate(tmp_path, capsys, bloc
         write(fleet, f"nodes:\n  - {{name: h, kind: cpu, memory: {gb!r}, reserve_gb: 0, slots: {slots}}}\n")
         with pytest.raises(JobConfigError, match="exceed its budget"):
             fleet_placements(cfg)
+
+
+def test_fleet_job_with_a_tier_its_pools_refuse_is_a_config_error(tmp_path):
+    """A model whose kv_lora_rank is not a power of two cannot use tq4 / polar (the pool
+    refuses to rotate its rows): the job's plan fitted them anyway, and every worker then
+    failed building its pool. The job now stops first, naming its `kv` and the model."""
+    raw = json.loads((REPO_ROOT / "models" / "kvfleet-mini" / "config.json").read_text())
+    model = tmp_path / "wide"
+    model.mkdir()
+    write(model / "config.json", json.dumps({**raw, "kv_lora_rank": 384}))
+    w = {"fleet": str(write(tmp_path / "f.yaml", THREE))}
+    for kv in ("tq4", "polar3"):
+        with pytest.raises(JobConfigError, match=f"kv={kv} .*: tier {kv} rotates rows.*kv_lora_rank 384"):
+            fleet_placements(job(model=str(model), kv=kv, max_context=64, workers=w))
+    assert len(fleet_placements(job(model=str(model), kv="kv8", max_context=64, workers=w))) == 3

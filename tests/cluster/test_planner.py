@@ -482,3 +482,55 @@ def test_metal_device_over_budget_in_float32_is_warned():
     for budget, warned in ((held + kv - 1, True), (held + kv, False)):
         q = plan(fp, [DeviceBudget("mac", "metal", budget)], tier="f32", ctx=BLOCK, experts="bf16")
         assert bool(q.warnings) == warned, budget
+
+
+@pytest.mark.parametrize("kv_lora", [511, 384, 4096])
+def test_tiers_a_models_widths_cannot_use_are_unavailable(tmp_path, capsys, kv_lora):
+    """tq4 and polar rotate rows, which needs power-of-two widths 2..2048; the KV pool refuses
+    any other width. The pool table computed every tier (a TierError traceback for an odd
+    kv_lora_rank) and planned tq4 / polar for widths the job's pool then refused; such tiers
+    now show as unavailable, and asking for one is an error naming the flag or field."""
+    from kernels.tiers import TIERS
+    from kvstore.pool import KVPool
+    raw = json.loads((Path(__file__).resolve().parents[2] / "models/kvfleet-mini/config.json").read_text())
+    card_path = tmp_path / "odd.json"
+    card_path.write_text(json.dumps({**raw, "kv_lora_rank": kv_lora}))
+    fp = Footprint.from_file(card_path)
+    usable = {}
+    for t in TIERS:  # what the job's pool takes decides
+        try:
+            KVPool.for_model(fp.config, t, 1, 16)
+            usable[t] = True
+        except ValueError:
+            usable[t] = False
+    assert [t for t, ok in usable.items() if not ok] == ["tq4", *(f"polar{b}" for b in range(2, 7))]
+    assert main(["plan", "--model-config", str(card_path), "--ctx", "1000", "--json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["tiers"]
+    for t, ok in usable.items():
+        if ok:
+            assert tiers[t]["kv_pool_bytes"] == 1000 * fp.kv_bytes_per_token(t)
+        else:
+            assert tiers[t]["kv_pool_bytes"] is None and "power-of-two" in tiers[t]["unavailable"]
+    assert main(["plan", "--model-config", str(card_path), "--ctx", "1000"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["tq4"][0] == "unavailable" and rows["polar3"][0] == "unavailable"
+    assert rows["kv8"][0] == str(fp.kv_bytes_per_token("kv8"))
+    for tier in ("tq4", "polar5"):
+        assert main(["plan", "--model-config", str(card_path), "--ctx", "1000", "--kv", tier]) == 2
+        err = capsys.readouterr().err
+        assert f"--kv {tier}: tier {tier} rotates rows" in err and f"kv_lora_rank {kv_lora}" in err
+        assert "Traceback" not in err
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("plan: {ctx: 64, kv: polar4}\nnodes:\n  - {name: h, kind: cpu, memory: 4}\n")
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{fleet}: plan.kv: tier polar4 rotates rows" in err and "Traceback" not in err
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card_path), "--kv", "tq4"]) == 2
+    assert "--kv tq4: tier tq4 rotates rows" in capsys.readouterr().err
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card_path), "--kv", "kv8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert set(d["max_ctx"]) == {"f32", "kv8"} and d["kv_pool_bytes"] == 64 * fp.kv_bytes_per_token("kv8")
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card_path), "--kv", "f32"]) == 0
+    assert capsys.readouterr().out.splitlines()[3].endswith("/-")  # max ctx f32/kv8/tq4: tq4 shows -
+    with pytest.raises(PlanError, match="tier tq4 rotates rows"):
+        plan(fp, [DeviceBudget("h", "cpu", 4 * GB)], tier="tq4", ctx=64)
