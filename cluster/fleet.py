@@ -48,7 +48,9 @@ class FleetError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: lax mode took `devices: true` as 1, `slots: '2'` as 2 and `reserve_gb: true` as
+    # 1 GB; a float field still takes an int (reserve_gb: 4)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Node(_Frozen):

@@ -94,6 +94,43 @@ def test_a_key_given_twice_is_an_error(tmp_path, capsys):
     assert [(n.name, n.memory) for n in merged.nodes] == [("a", 80.0), ("b", 40.0)]
 
 
+NODE = "nodes:\n  - {{name: a, kind: cuda, memory: 80{extra}}}\n"
+
+
+@pytest.mark.parametrize("extra, top, where", [
+    (", devices: true", "", "nodes.0.devices: Input should be a valid integer (got True)"),
+    (", devices: '2'", "", "nodes.0.devices: Input should be a valid integer (got '2')"),
+    (", slots: '2'", "", "nodes.0.slots: Input should be a valid integer (got '2')"),
+    (", slots: 2.5", "", "nodes.0.slots: Input should be a valid integer (got 2.5)"),
+    (", reserve_gb: true", "", "nodes.0.reserve_gb: Input should be a valid number (got True)"),
+    (", reserve_gb: '4'", "", "nodes.0.reserve_gb: Input should be a valid number (got '4')"),
+    (", resources: {h200: true}", "", "nodes.0.resources.h200: Input should be a valid number (got True)"),
+    (", resources: {h200: '2'}", "", "nodes.0.resources.h200: Input should be a valid number (got '2')"),
+    ("", "plan: {ctx: '4096'}\n", "plan.ctx: Input should be a valid integer (got '4096')"),
+    ("", "plan: {ctx: true}\n", "plan.ctx: Input should be a valid integer (got True)"),
+    ("", "plan: {shadow_floor_gb: false}\n", "plan.shadow_floor_gb: Input should be a valid number (got False)"),
+])
+def test_numbers_are_strict(tmp_path, capsys, extra, top, where):
+    """pydantic's lax mode turned `devices: true` into 1 device, `slots: '2'` into 2 slots,
+    `reserve_gb: true` into a 1 GB reserve and `shadow_floor_gb: false` into none: a bool or a
+    string where a number belongs is an error naming the file and the field."""
+    path = write(tmp_path, top + NODE.format(extra=extra))
+    with pytest.raises(FleetError) as e:
+        Fleet.from_file(path)
+    assert str(e.value) == f"{path}: {where}"
+    card = FLEETS.parent / "models" / "deepseek-v3.json"
+    assert main(["plan", "--config", str(path), "--model-config", str(card)]) == 2
+    assert capsys.readouterr().err == f"kvfleet plan: error: {path}: {where}\n"
+
+
+def test_ints_stay_numbers_where_floats_are_expected(tmp_path):
+    f = Fleet.from_file(write(tmp_path, "plan: {shadow_floor_gb: 16}\n" + NODE.format(
+        extra=", reserve_gb: 3, resources: {h200: 2}, slots: 4, devices: 2")))
+    n = f.nodes[0]
+    assert (n.reserve_gb, n.resources, n.slots, n.devices, f.plan.shadow_floor_gb) == (3.0, {"h200": 2.0}, 4, 2, 16.0)
+    assert isinstance(n.reserve_gb, float) and isinstance(f.plan.shadow_floor_gb, float)
+
+
 def test_missing_file_and_frozen(tmp_path):
     with pytest.raises(FleetError, match="no such fleet file"):
         Fleet.from_file(tmp_path / "nope.yaml")
