@@ -45,6 +45,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from dataclasses import dataclass
 
 
@@ -126,6 +127,7 @@ class CacheFile:
                 raise unresolved_link(self.path)
             self._mode = "new"
             return self.layout.empty()
+        check_regular(self.path)
         try:
             c = self._read()
         except HeaderError as e:
@@ -227,6 +229,7 @@ class CacheFile:
 
     def _replace(self, recs: KVRecords) -> None:
         target = rewrite_target(self.path)  # a symlinked slot file: its target, not the link
+        check_regular(target)
         tmp = f"{target}.tmp"  # one writer per file (slots.py), so a stale one is ours
         links = _links(target)
         try:
@@ -308,6 +311,26 @@ def unresolved_link(path: str) -> OSError:
     target on a share that is not mounted): neither read nor replaced."""
     return OSError(errno.ENOENT, f"{path}: a symlink to {os.readlink(path)!r} that does not "
                                  f"resolve; not starting a new cache in its place")
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
+def check_regular(path: str) -> None:
+    """An OSError naming `path` if it (or the end of its links) exists and is not a regular
+    file: a FIFO would block the read forever (a worker's step with it), and a whole-file
+    rewrite renames a new file over the path, which for a slot file linked to /dev/null
+    would, run as root, replace the device node. Neither read nor replaced (the C engine's
+    cache opener refuses them too, EINVAL)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):  # (nothing there, or a file in the way)
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "of another kind")
+        raise OSError(errno.EINVAL, f"{path}: is {kind}, not a regular file; not read as a KV "
+                                    f"cache and never replaced")
 
 
 def rewrite_target(path: str) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from cluster.cli import UsageError
 from kernels.tiers import TIERS, TierError, get_tier, tier_from_tag
 from kvstore import coli, disk
+from kvstore.cachefile import check_regular
 from kvstore.fingerprint import Fingerprint, HeaderError, plan_load, tier_label
 from kvstore.records import RecordLayout, requantize
 from kvstore.slots import SlotBusyError, SlotLock
@@ -148,6 +149,10 @@ def convert_cmd(args) -> int:
                          f"pass --format arrow|coli")
     if os.path.isdir(args.output):
         raise UsageError(f"{args.output}: is a directory; give the output file; nothing written")
+    try:  # a FIFO or a device (a link to /dev/null): never renamed over, no lock beside it
+        check_regular(args.output)
+    except OSError as e:
+        raise UsageError(f"{e.strerror}; nothing written") from None
     if os.path.islink(args.output) and not os.path.exists(args.output):
         raise UsageError(f"{args.output}: a symlink to {os.readlink(args.output)!r} that does "
                          f"not resolve (a loop, or a share that is not mounted); nothing written")

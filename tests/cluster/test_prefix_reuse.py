@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import replace
 
 import numpy as np
@@ -571,3 +572,21 @@ def test_a_result_comes_after_its_cache_file_is_saved_and_unlocked(tiny, tmp_pat
     assert seen["r0"][0] == "length" and seen["r1"][0] == "stop" and seen["r2"][0] == "length"
     for rid, (_, held, want) in seen.items():
         assert held == want, rid  # prompt + completion but its last token, saved already
+
+
+def test_a_slot_file_that_is_a_fifo_is_left_alone(tiny, tmp_path):
+    # (a link to /dev/null behaves the same: neither read nor replaced by a regular file)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    os.symlink(fifo, cache / slot_filename("conv", ".arrow"))
+    hold = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # so the old code's read did not block
+    try:
+        os.write(hold, b"\0" * 64)
+        rows, st = run(tiny, tmp_path / "r", [line("a", prompt(40))], cache)
+    finally:
+        os.close(hold)
+    assert rows["a"]["cached_prompt_tokens"] == 0 and len(rows["a"]["completion_tokens"]) == C
+    assert st.kv_cache == {"errors": 1}  # the request ran without it
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

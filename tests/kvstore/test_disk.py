@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 
 import numpy as np
 import pyarrow as pa
@@ -628,3 +629,35 @@ def test_a_rewrite_refuses_a_symlink_that_does_not_resolve(tmp_path, cls, link):
         kind(p, SMALL, "kv8").rewrite(records(SMALL, "kv8", 2, seed=94))
     assert os.path.islink(p) and os.readlink(p) == target
     assert sorted(os.listdir(tmp_path)) == [p.name]
+
+
+@pytest.mark.parametrize("cls", ["arrow", "coli"])
+@pytest.mark.parametrize("via", ["plain", "symlink"])
+def test_a_fifo_slot_file_is_neither_read_nor_replaced(tmp_path, cls, via):
+    # A slot file that is not a regular file (a FIFO; a link to /dev/null, a device) was
+    # opened for reading, which blocks forever on a FIFO with no writer (and the worker's
+    # step with it), or read as a cache that is not one: a clean start, whose next save
+    # renamed a regular file over the FIFO / device node (as root, over /dev/null itself).
+    from kvstore.coli import ColiKVFile
+    kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
+    fifo = tmp_path / "share" / f"c{kind.suffix}"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    p = fifo if via == "plain" else tmp_path / f"c{kind.suffix}"
+    if via == "symlink":
+        os.symlink(fifo, p)
+    # hold both ends with junk queued, so that the old code's read returned instead of blocking
+    hold = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.write(hold, b"\0" * 64)
+        f = kind(p, SMALL, "kv8")
+        with pytest.raises(OSError, match=rf"{p}: is a FIFO, not a regular file"):
+            f.load()
+        with pytest.raises(OSError, match="is a FIFO"):
+            f.append(records(SMALL, "kv8", 2, seed=91))
+        with pytest.raises(OSError, match="is a FIFO"):
+            kind(p, SMALL, "kv8").rewrite(records(SMALL, "kv8", 2, seed=92))
+    finally:
+        os.close(hold)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(os.listdir(fifo.parent)) == [fifo.name]  # no temp file left beside it

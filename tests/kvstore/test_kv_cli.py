@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 
 import numpy as np
@@ -451,3 +452,21 @@ def test_convert_interrupted_keeps_the_old_output(tmp_path, capsys, monkeypatch)
     assert err == (f"kvfleet kv: interrupted; {dst} is unchanged unless the conversion had "
                    f"finished (the new file replaces it in one rename, once complete)\n")
     assert dst.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["in.arrow", "out.arrow"]
+
+
+def test_convert_onto_a_fifo_is_refused(tmp_path, capsys):
+    # `kvfleet kv convert IN /dev/null` renamed the new file over the output, which, run as
+    # root, replaced the device node; a FIFO stands in for it here (no root needed)
+    p = tmp_path / "c.arrow"
+    write(ArrowKVFile, p, FP, "kv8", [records(FP, "kv8", 3)])
+    out = tmp_path / "out" / "fifo"
+    out.parent.mkdir()
+    os.mkfifo(out)
+    for target in (out, tmp_path / "link.arrow"):
+        if target != out:
+            os.symlink(out, target)
+        rc, _, err = run(capsys, "kv", "convert", p, target, "--to", "kv8", "--format", "arrow")
+        assert rc == 2 and f"{target}: is a FIFO, not a regular file" in err
+        assert "nothing written" in err
+    assert stat.S_ISFIFO(os.stat(out).st_mode) and os.listdir(out.parent) == ["fifo"]
+    assert sorted(os.listdir(tmp_path)) == ["c.arrow", "link.arrow", "out"]  # no .lock left
