@@ -15,9 +15,11 @@ nrec word) has been written. A crash at any moment leaves a file that loads as a
 what was appended, never a partial record.
 
 Subclasses implement the byte format: `_read` (header + the good record prefix),
-`_write_new` (a whole file; returns the format's state for it, which `_adopt` installs only
-once the file has replaced the old one), `_append` (one durable append at the current end),
-`_cut` (drop records after n, at a commit boundary the subclass chooses).
+`_write_new` (a whole file, opened with O_TRUNC: it may exist already, made by keep_mode
+with the permissions of the file it replaces; returns the format's state for it, which
+`_adopt` installs only once the file has replaced the old one), `_append` (one durable
+append at the current end), `_cut` (drop records after n, at a commit boundary the
+subclass chooses).
 
 A file with other hard links (st_nlink > 1: a snapshot made with `cp -al`, a user's `ln`)
 shares its bytes with names that other locks guard (each name has its own sidecar lock,
@@ -233,6 +235,7 @@ class CacheFile:
         tmp = f"{target}.tmp"  # one writer per file (slots.py), so a stale one is ours
         links = _links(target)
         try:
+            keep_mode(target, tmp)
             state = self._write_new(tmp, recs)
             os.replace(tmp, target)
         finally:
@@ -344,6 +347,23 @@ def rewrite_target(path: str) -> str:
     if not os.path.exists(path):
         raise unresolved_link(path)
     return os.path.realpath(path)
+
+
+def keep_mode(old: str, tmp: str) -> None:
+    """Create `tmp` (empty) with the permission bits of the file `old` that it is to replace,
+    if there is one, before it holds a byte: the tokens in a cache file are the conversation,
+    and a file that its owner made private (chmod 600) must not come back world-readable
+    from an upgrade, a clean start or a convert (the C engine rewrites it in place, which
+    keeps them). fchmod, not the open's mode, so that the umask does not narrow them."""
+    try:
+        mode = stat.S_IMODE(os.stat(old).st_mode)
+    except FileNotFoundError:
+        return
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def _links(path: str) -> int:

@@ -661,3 +661,32 @@ def test_a_fifo_slot_file_is_neither_read_nor_replaced(tmp_path, cls, via):
         os.close(hold)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(os.listdir(fifo.parent)) == [fifo.name]  # no temp file left beside it
+
+
+@pytest.mark.parametrize("cls", ["arrow", "coli"])
+@pytest.mark.parametrize("how", ["upgrade", "reject", "rewrite"])
+@pytest.mark.parametrize("mode", [0o600, 0o664])
+def test_a_whole_file_rewrite_keeps_the_files_permissions(tmp_path, cls, how, mode):
+    # The rewrite made a new file with 0o644 less the umask: a cache its owner had made
+    # private (the tokens are the conversation) came back world-readable from an upgrade.
+    from kvstore.coli import ColiKVFile
+    kind = {"arrow": ArrowKVFile, "coli": ColiKVFile}[cls]
+    p = tmp_path / f"c{kind.suffix}"
+    kind(p, SMALL, "f32" if how == "upgrade" else "tq4").append(
+        records(SMALL, "f32" if how == "upgrade" else "tq4", 4, seed=93))
+    os.chmod(p, mode)
+    old = os.umask(0o022)  # (0o664 also checks that the umask does not narrow them)
+    try:
+        f = kind(p, SMALL, "kv8")
+        new = records(SMALL, "kv8", 3, seed=94)
+        if how == "rewrite":
+            f.rewrite(new)
+        else:
+            f.load()
+            assert f.plan.action == how
+            f.append(new, start=0)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(p).st_mode) == mode
+    got = kind(p, SMALL, "kv8")
+    assert same(got.load(), new) and got.message is None
