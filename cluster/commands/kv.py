@@ -46,9 +46,19 @@ def register(sub) -> None:
     cv.add_argument("--to", required=True, choices=sorted(TIERS), help="tier of the output")
     cv.add_argument("--format", choices=["arrow", "coli"],
                     help="output format (default: from the output suffix .arrow / .coli_kv)")
-    cv.set_defaults(func=convert_cmd, interrupted=lambda args: (
-        f"{args.output} is unchanged unless the conversion had finished (the new file replaces "
-        f"it in one rename, once complete)"))
+    cv.set_defaults(func=convert_cmd, interrupted=lambda args: _unchanged(args.output))
+
+
+def _unchanged(output: str) -> str:
+    return (f"{output} is unchanged unless the conversion had finished (the new file replaces "
+            f"it in one rename, once complete)")
+
+
+def _io_error(path: str, what: str, e: OSError) -> str:
+    """An OSError as one line naming the file: kvstore's own errors name it already, the
+    system's (a full disk, EIO, EACCES) often do not."""
+    why = e.strerror or str(e)
+    return why if path in why else f"{path}: {what} failed ({why})"
 
 
 def open_any(path: str):
@@ -58,9 +68,9 @@ def open_any(path: str):
         raise UsageError(f"{path}: is a directory; give one KV cache file in it (*.arrow, *.coli_kv)")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        head = f.read(8)
     try:
+        with open(path, "rb") as f:
+            head = f.read(8)
         if head.startswith(b"COLIKV"):
             fmt, cls = "coli", coli.ColiKVFile
             version, fp, nrec, tag, size = coli.read_header(path)
@@ -80,8 +90,13 @@ def open_any(path: str):
                              f"Arrow KV stream or a .coli_kv file with magic COLIKV1/2/3)")
     except (HeaderError, TierError) as e:
         raise UsageError(f"{path}: {e}" if path not in str(e) else str(e)) from None
+    except OSError as e:
+        raise UsageError(_io_error(path, "reading it", e)) from None
     f = cls(path, fp, tier)
-    recs = f.load()
+    try:
+        recs = f.load()
+    except OSError as e:
+        raise UsageError(_io_error(path, "reading it", e)) from None
     # load() started clean (a HeaderError from _read leaves no plan): it keeps nothing of the
     # file, so there is nothing to inspect or convert; a cut tail still has a "load" plan
     if f.plan is None or f.plan.action == "reject":
@@ -176,7 +191,11 @@ def convert_cmd(args) -> int:
             raise UsageError(f"--to {args.to}: {e}") from None
         cls = disk.ArrowKVFile if fmt == "arrow" else coli.ColiKVFile
         dst = cls(args.output, src.fp, dst_tier)
-        dst.rewrite(out)
+        try:
+            dst.rewrite(out)
+        except OSError as e:  # (e.g. the disk is full): no traceback, the file named
+            raise UsageError(f"{_io_error(args.output, 'writing it', e)}; "
+                             f"{_unchanged(args.output)}") from None
         if dst.detached:
             print(f"note: {args.output} had other hard links; they keep the old file")
         done = True

@@ -13,6 +13,7 @@ import pytest
 
 from cluster.cli import main
 from diskdata import FP, FP_DSA, encoded, overwrite, records, same
+import kvstore.coli
 from kvstore.coli import ColiKVFile
 from kvstore.disk import ArrowKVFile
 from kvstore.fingerprint import Fingerprint
@@ -470,3 +471,40 @@ def test_convert_onto_a_fifo_is_refused(tmp_path, capsys):
         assert "nothing written" in err
     assert stat.S_ISFIFO(os.stat(out).st_mode) and os.listdir(out.parent) == ["fifo"]
     assert sorted(os.listdir(tmp_path)) == ["c.arrow", "link.arrow", "out"]  # no .lock left
+
+
+@pytest.mark.parametrize("where", ["write", "read"])
+def test_a_failing_disk_is_one_error_naming_the_file(tmp_path, capsys, monkeypatch, where):
+    # A full disk under the output, or EIO from the input, was a traceback whose last line,
+    # "OSError: [Errno 28] No space left on device", named no file
+    import errno
+    import kvstore.disk
+    src, dst = tmp_path / "in.arrow", tmp_path / "out.coli_kv"
+    write(ArrowKVFile, src, FP, "kv8", [records(FP, "kv8", 6, 4)])
+    assert run(capsys, "kv", "convert", src, dst, "--to", "kv8")[0] == 0
+    before = dst.read_bytes()
+    code = errno.ENOSPC if where == "write" else errno.EIO
+    real = kvstore.coli.write_all
+
+    def fail(fd, data):  # half the bytes land, then the device refuses
+        view = memoryview(data).cast("B")
+        real(fd, view[:len(view) // 2])
+        raise OSError(code, os.strerror(code))
+
+    def eio(self):
+        raise OSError(code, os.strerror(code))
+    if where == "write":
+        monkeypatch.setattr(kvstore.coli, "write_all", fail)
+    else:
+        monkeypatch.setattr(ArrowKVFile, "_read", eio)
+    rc, out, err = run(capsys, "kv", "convert", src, dst, "--to", "kv8")
+    assert rc == 2 and "wrote" not in out and "Traceback" not in err
+    if where == "write":
+        assert err == (f"kvfleet kv: error: {dst}: writing it failed ({os.strerror(code)}); "
+                       f"{dst} is unchanged unless the conversion had finished (the new file "
+                       f"replaces it in one rename, once complete)\n")
+    else:
+        assert err == f"kvfleet kv: error: {src}: reading it failed ({os.strerror(code)})\n"
+        rc, _, err = run(capsys, "kv", "inspect", src)
+        assert rc == 2 and err == f"kvfleet kv: error: {src}: reading it failed ({os.strerror(code)})\n"
+    assert dst.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["in.arrow", "out.coli_kv"]
