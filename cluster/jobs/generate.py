@@ -68,6 +68,12 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         tok = Tokenizer.from_dir(cfg.model)
     except (ConfigError, TokenizerError) as e:
         raise JobConfigError(f"model: {e}") from None
+    from kernels.tiers import get_tier
+    if why := get_tier(cfg.kv).width_error(mcfg.kv_lora_rank, mcfg.qk_rope_head_dim):
+        # (else every worker's KV pool refuses it, one traceback each; a fleet's placement
+        # says the same, this covers the jobs without a fleet)
+        raise JobConfigError(f"kv={cfg.kv} (--kv, KVFLEET_KV, KV_TQ): {why} "
+                             f"({cfg.model / 'config.json'})")
     if cfg.max_context > mcfg.max_position_embeddings:  # (as `kvfleet plan` warns; vLLM refuses)
         log.warning("max_context=%d exceeds the model's max_position_embeddings %d (%s): "
                     "positions past it are ones the model was not trained at", cfg.max_context,

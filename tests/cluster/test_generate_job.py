@@ -44,6 +44,26 @@ def same_completions(rows, reference):
         assert rows[k]["completion"] == r["completion"], k
 
 
+def test_a_tier_the_models_widths_cannot_use_is_a_config_error(tiny, tmp_path):
+    """tq4 / polar need power-of-two latent widths: a model whose kv_lora_rank is not one is
+    refused before any worker starts or any row is written (without a fleet too; the
+    fleet's placement checks the same), naming the setting and the model's config.json."""
+    import shutil
+    from cluster.config import JobConfigError
+    model = tmp_path / "odd"
+    shutil.copytree(tiny, model)
+    c = json.loads((model / "config.json").read_text())
+    c["kv_lora_rank"] = 48
+    (model / "config.json").write_text(json.dumps(c))
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    out = tmp_path / "out.parquet"
+    for kv in ("tq4", "polar3"):
+        with pytest.raises(JobConfigError, match=rf"kv={kv} \(--kv.*power-of-two.*"
+                                                 rf"kv_lora_rank 48.*odd/config.json"):
+            run_generate(config(model, kv=kv), prompts, out)
+    assert not out.exists() and not list(tmp_path.glob("out.parquet*"))
+
+
 def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
     good = prompt_lines(N)
     bad = {
