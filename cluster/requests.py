@@ -229,7 +229,10 @@ def read_requests(path: str | Path) -> Iterator[Request | InputError]:
     an error on its later lines, whether its first line was valid or not (so that every
     line keeps a row of its own: rows are keyed by id)."""
     first_line: dict[str, int] = {}
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte-order mark at the very start (Windows tools write one) is skipped;
+    # json.loads refuses it, so line 1 was an error row. One anywhere else is data: U+FEFF
+    # inside a prompt is kept, and a later line that starts with one is malformed JSON.
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for n, text in enumerate(f, start=1):
             if not text.strip():
                 continue

@@ -127,6 +127,50 @@ def test_line_that_is_not_utf8_is_an_error_not_a_changed_prompt(tmp_path):
     assert isinstance(b, Request) and b.prompt == "caf\u00e9"
 
 
+def test_byte_order_mark_at_the_start_is_skipped_elsewhere_data(tmp_path):
+    """A prompts file that starts with a UTF-8 BOM (Windows tools write one) made line 1 an
+    error row ('Unexpected UTF-8 BOM'). Only the file's first three bytes are skipped: a
+    U+FEFF inside a prompt is kept, a later line that starts with one is still an error,
+    and the line numbers (blank lines counted) do not move."""
+    from cluster.requests import InputError, Request, read_requests, request_digest
+    bom = b"\xef\xbb\xbf"
+    body = (b'{"id": "a", "prompt": "caf\xc3\xa9", "seed": 7}\n\n'
+            b'{"id": "b", "prompt": "x' + bom + b'y"}\n' + bom + b'{"id": "c", "prompt": "z"}\n'
+            b'{"id": "d", "prompt": "caf\xe9"}\n')
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_bytes(body)
+    marked.write_bytes(bom + body)
+    got, want = list(read_requests(marked)), list(read_requests(plain))
+    assert got == want  # the same requests, lines, errors and columns as without the BOM
+    a, b, c, d = got
+    assert isinstance(a, Request) and (a.id, a.line, a.prompt) == ("a", 1, "caf\u00e9")
+    assert isinstance(b, Request) and (b.line, b.prompt) == (3, "x\ufeffy")
+    assert isinstance(c, InputError) and c.error.startswith("line 4: malformed JSON: Unexpected")
+    assert isinstance(d, InputError) and d.error == "line 5: not valid UTF-8 text (at column 27)"
+    assert [request_digest(r) for r in (a, b)] == [request_digest(r) for r in want[:2]]
+    # a file that only starts like a BOM keeps its bytes (no byte of it is dropped)
+    (tmp_path / "half.jsonl").write_bytes(bom[:2] + b'{"id": "e", "prompt": "q"}\n')
+    (e,) = read_requests(tmp_path / "half.jsonl")
+    assert isinstance(e, InputError) and e.error == "line 1: not valid UTF-8 text (at column 1)"
+
+
+def test_rerun_on_the_prompts_saved_with_a_bom_skips_every_row(tiny, tmp_path):
+    """Resume treats a BOM-prefixed copy of the prompts as the same file: a run on the plain
+    file, then a rerun with the same --out on the copy (re-saved by a Windows editor) has
+    nothing to redo; line 1 was an error row that replaced its finished one."""
+    lines = prompt_lines(4)
+    plain = write_lines(tmp_path / "p.jsonl", lines)
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    out = tmp_path / "out.parquet"
+    first = run_generate(config(tiny), plain, out, progress=False)
+    assert first.done == 4 and first.errors == 0
+    before = rows_by_id(out)
+    again = run_generate(config(tiny), marked, out, progress=False)
+    assert (again.skipped, again.done, again.errors) == (4, 0, 0)
+    assert rows_by_id(out) == before
+
+
 def test_bad_model_dir_is_a_usage_error(tiny, tmp_path):
     """A model dir with a broken config.json or no tokenizer.json is a JobConfigError naming
     the file (kvfleet generate: exit 2, no traceback); they were a ConfigError and a
