@@ -88,6 +88,10 @@ class SchedulerStats:
     kv_cache: dict[str, int] = field(default_factory=dict)  # saved-KV counts (workers/persist.py)
     kv_bytes_peak: int = 0  # most KV pool bytes held at once, summed over workers
     fallbacks: dict[str, int] = field(default_factory=dict)  # path -> count (workers/fallbacks.py)
+    # Unix time (time.time()) when run() returned, its last step taken: a worker killed after
+    # it had nothing left to run, so no death is found or recovered (the soak's kills after
+    # the end, cluster/soak/runner.py)
+    steps_done_at: float | None = None
 
     @property
     def overhead_per_decode_step_s(self) -> float:
@@ -169,6 +173,7 @@ class Scheduler:
         self.metrics.queue(len(waiting), 0)
         self.metrics.step(0, 0.0)
         self.gauges.close()
+        self.stats.steps_done_at = time.time()
         return self.stats
 
     # -- failures -----------------------------------------------------------------------

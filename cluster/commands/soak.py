@@ -56,8 +56,11 @@ def run(args) -> int:
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
           + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
     if plan.kill_every_s and not summary["faults"]["kills"]:  # (a pass that tested no recovery)
-        print(f"soak: warning: --kill-worker-every {args.kill_worker_every} killed no worker: "
-              f"every round ended before the injector found two live workers (it spares the "
-              f"last one); give a shorter interval, more prompts, or at least two workers",
-              file=sys.stderr)
+        late = summary["faults"].get("kills_after_end")
+        why = (f"its {late} kills landed after their round's last step, which tests no recovery"
+               if late else "every round ended before the injector found two live workers (it "
+               "spares the last one)")
+        print(f"soak: warning: --kill-worker-every {args.kill_worker_every} killed no worker "
+              f"while a round's job ran: {why}; give a shorter interval, more prompts, or at "
+              f"least two workers", file=sys.stderr)
     return code

@@ -70,14 +70,33 @@ def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
     if len(bad):  # outlined and hatched: the round failed (cluster/soak/runner.py)
         ax.barh(bad.arm, bad.end_s - bad.start_s, left=bad.start_s - t0, fill=False,
                 edgecolor="#b00", hatch="xx", lw=1.5, label="failed round")
-    if not faults.empty:
-        ax.vlines(faults.time_s - t0, -0.5, len(rounds.arm.unique()) - 0.5, colors="k",
-                  linestyles="dashed", label="worker killed")
+    # dotted: a kill after its round's job had taken its last step (runner.classify_kills)
+    late = (faults.after_end if "after_end" in faults
+            else pd.Series(False, index=faults.index)).astype(bool)
+    for kills, color, style, label in (
+            (faults[~late], "k", "dashed", "worker killed"),
+            (faults[late], "#999", "dotted", "worker killed after its round's last step")):
+        if len(kills):
+            ax.vlines(kills.time_s - t0, -0.5, len(rounds.arm.unique()) - 0.5, colors=color,
+                      linestyles=style, label=label)
     if not faults.empty or len(bad):
         ax.legend(loc="upper right")
     ax.set_xlabel("time since start (s)")
     ax.set_title("rounds and fault timeline")
     return _png(fig)
+
+
+def _kills(summary: dict) -> str:
+    f = summary.get("faults", {})
+    if not f.get("kills") and not f.get("kills_after_end"):
+        return ""
+    late = f.get("kills_after_end") or 0
+    return (f"<h2>worker kills</h2><p>{f.get('kills', 0)} worker kills while a round's job "
+            f"ran, {f.get('recoveries', 0)} recoveries, {f.get('lost_requests', 0)} lost "
+            "requests" + (f"; {late} more killed after their round's job had taken its last "
+                          "step: nothing was left to run, so no recovery could follow, and they "
+                          "count as no kill of that round (dotted on the timeline)" if late else "")
+            + "</p>")
 
 
 def _failed_rounds(summary: dict) -> str:
@@ -174,6 +193,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 <h1>{html.escape(title)}</h1>
 <p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
 {_failed_rounds(summary)}
+{_kills(summary)}
 {''.join(parts)}
 {_counters(summary)}
 <h2>greedy parity (A vs B)</h2>

@@ -32,8 +32,10 @@ Output under DIR:
                        `failed`: the round's run exited non-zero, timed out or left
                        `runtime_errors` rows, `returncode`; the run's scheduler counters
                        worker_deaths, recoveries, requeued, and fallbacks.<path> and
-                       kv_cache.<event> columns from its --stats)
-    faults.parquet     one row per injected kill
+                       kv_cache.<event> columns from its --stats; kills and
+                       kills_after_end, and steps_done_at: when its job took its last step)
+    faults.parquet     one row per injected kill; `after_end`: it landed after its round's
+                       job had taken its last step (classify_kills), no kill of that round
     summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
     report.html        the self-contained report
 """
@@ -162,6 +164,27 @@ def _read_results(path: Path) -> pd.DataFrame:
     return req[~pd.Series(keys).duplicated(keep="last").to_numpy()].reset_index(drop=True)
 
 
+def _finite(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def classify_kills(kills: list[dict], rounds: pd.DataFrame) -> list[dict]:
+    """The injector's kills, each with `after_end`: True when it landed outside the steps of
+    its round's job, after the job had taken its last step (its --stats' steps_done_at; where
+    a run has none, an older build's or one that crashed, the end of the run) or before the
+    run began (the previous round's workers, not yet gone). Such a kill had nothing left to
+    run: the job cannot find it or recover from it, so it is no kill of that round (rounds'
+    `kills` and the summary's faults.kills leave it out; `kills_after_end` counts it)."""
+    spans = {(r.round, r.arm): (r.start_s, r.end_s if pd.isna(r.steps_done_at)
+                                else min(r.steps_done_at, r.end_s))
+             for r in rounds.itertuples()}
+    out = []
+    for k in kills:
+        span = spans.get((k["round"], k["arm"]))  # (none: a kill before the first round)
+        out.append({**k, "after_end": span is None or not span[0] <= k["time_s"] < span[1]})
+    return out
+
+
 def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     """One rounds.parquet row and the round's request rows."""
     req = _read_results(meta["parquet"])
@@ -201,6 +224,7 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
         "recoveries": int(stats.get("recoveries", 0)),
         "requeued": int(stats.get("requeued", 0)),
         "lost_requests": len(expected - served),
+        "steps_done_at": _finite(stats.get("steps_done_at")),
     }
     for group in COUNTER_GROUPS:  # path / event -> count, one column each
         for k, n in (stats.get(group) or {}).items():
@@ -336,16 +360,19 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
         if started:
             ray.shutdown()
     rounds = pd.DataFrame(list(rows))
-    kills = killer.events if killer else []
-    faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid"])
-    rounds["kills"] = [sum(1 for k in kills if (k["round"], k["arm"]) == (r, a))
-                       for r, a in zip(rounds["round"], rounds["arm"])] if len(rounds) else []
+    kills = classify_kills(killer.events if killer else [], rounds)
+    faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid", "after_end"])
+    for col, after in (("kills", False), ("kills_after_end", True)):
+        rounds[col] = [sum(1 for k in kills if (k["round"], k["arm"], k["after_end"])
+                           == (r, a, after)) for r, a in zip(rounds["round"], rounds["arm"])] \
+            if len(rounds) else []
     requests = pd.concat([r for r in reqs if len(r)], ignore_index=True) if any(len(r) for r in reqs) \
         else pd.DataFrame(columns=["round", "arm", "id", "line", "completion_tokens",
                                    "finish_reason", "ttft_s", "decode_tokens_per_s", "temperature"])
     summary = summarize(requests, rounds)
     summary["labels"] = {a.key: a.label for a in plan.arms}
-    summary["faults"]["kills"] = len(kills)
+    summary["faults"]["kills"] = sum(not k["after_end"] for k in kills)
+    summary["faults"]["kills_after_end"] = sum(k["after_end"] for k in kills)
     fails = apply_gate(summary, plan.arms[0].section.gate)
     summary["gate"] = {"passed": not fails, "failures": [str(f) for f in fails]}
     requests.to_parquet(plan.out / "requests.parquet")

@@ -211,6 +211,14 @@ def test_soak_that_killed_no_worker_says_so(tmp_path, capsys, monkeypatch):
     assert "--kill-worker-every 20s killed no worker" in err
     code, err = run_cli(capsys, *argv)  # no injector asked for: nothing to say
     assert code == 0 and "killed no worker" not in err
+    # kills only after their round's last step (cluster/soak/runner.classify_kills) tested
+    # no recovery either: the same warning, which says so
+    monkeypatch.setattr(runner, "run_soak", lambda plan: (
+        {"rounds": 1, "faults": {"kills": 0, "kills_after_end": 3},
+         "gate": {"passed": True, "failures": []}}, 0))
+    code, err = run_cli(capsys, *argv, "--kill-worker-every", "20s")
+    assert code == 0 and "--kill-worker-every 20s killed no worker while a round's job ran: " \
+        "its 3 kills landed after their round's last step, which tests no recovery" in err, err
 
 
 def test_plan_fleet_file_with_a_typo_keeps_its_own_error(tmp_path, capsys):

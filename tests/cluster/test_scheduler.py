@@ -470,6 +470,30 @@ def test_a_worker_dying_in_a_release_only_step_is_counted_and_recovered():
     assert not live.pool.used.any()  # the survivor handed back every slot
 
 
+def test_the_stats_say_when_the_last_step_was_taken():
+    """steps_done_at: the Unix time once run() has taken its last step (the final
+    release-only one included), so the soak can tell a worker killed after it (nothing left to
+    run: no death found, no recovery) from a kill the job had to recover from."""
+    import time
+
+    class Timed(LocalGroup):
+        last = None
+
+        def step_all(self, batches):
+            out = super().step_all(batches)
+            self.last = time.time()
+            return out
+
+    ps = prompts(6, seed=4)
+    free, _ = run(make_group([2]), [prep(i, p, max_tokens=10) for i, p in enumerate(ps)])
+    stop = free["r0"].completion[3:5]  # r0's slot is freed by a release-only step at the end
+    items = [prep(i, p, max_tokens=10, stop=(stop,) if i == 0 else ()) for i, p in enumerate(ps)]
+    group = Timed(make_group([2]).workers)
+    res, stats = run(group, items)
+    assert group.last is not None and group.last <= stats.steps_done_at <= time.time()
+    assert run(make_group([2]), [])[1].steps_done_at is not None  # (no step at all)
+
+
 def test_decode_rate_gauge_follows_decode_only_steps():
     m = JobMetrics(use_ray=False)
     m.step(40, 1.0)

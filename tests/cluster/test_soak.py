@@ -62,7 +62,8 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     assert 0.2 < r["median"] < 0.3
     assert s["parity"]["compared"] == 12 and s["parity"]["greedy"] is True
     assert s["parity"]["sampled"] == 0
-    assert s["faults"] == {"kills": 0, "recoveries": 0, "lost_requests": 0, "failed_rounds": 0}
+    assert s["faults"] == {"kills": 0, "kills_after_end": 0, "recoveries": 0, "lost_requests": 0,
+                           "failed_rounds": 0}
     assert s["failed_rounds"] == [] and rounds.failed.tolist() == [False] * 4
     assert s["gate"]["passed"] is True
     html = (out / "report.html").read_text()
@@ -99,8 +100,12 @@ def test_soak_with_worker_kills_loses_nothing(setup, monkeypatch):
     assert s["faults"]["lost_requests"] == 0
     assert s["faults"]["recoveries"] >= 1
     assert s["faults"]["failed_rounds"] == 0  # a worker kill the job recovers from fails no round
-    c = s["metrics"]["A"]["counters"]  # (a kill after a round's last step is seen by none)
+    c = s["metrics"]["A"]["counters"]
     assert c["worker_deaths"] >= c["recoveries"] == s["faults"]["recoveries"]
+    # a kill after its round's last step is seen by none: counted apart, not as a kill
+    faults = pd.read_parquet(out / "faults.parquet")
+    assert s["faults"]["kills"] == int((~faults.after_end).sum())
+    assert s["faults"]["kills_after_end"] == int(faults.after_end.sum())
     assert c["requeued"] >= 0 and c["runtime_errors"] == 0
     assert code == 0
     req = pd.read_parquet(out / "requests.parquet")

@@ -370,3 +370,81 @@ def test_the_rounds_scheduler_counters_are_summed_per_arm(tmp_path, monkeypatch)
                     ("sequences re-queued", 3), ("fallback: cpu.polar_rebuild_rows", 10),
                     ("KV cache: hits", 2), ("KV cache: saved_tokens", 21)):
         assert f"<tr><th>{name}</th><td>{n}</td></tr>" in page, name
+
+
+LATE_KILL_GENERATE = """\
+# generate whose injector (the test's) kills one worker while it steps, then one after its
+# last step: it serves every line, finds the first death (recovered) and writes --stats
+import json, os, sys, time
+import pyarrow as pa, pyarrow.parquet as pq
+out = sys.argv[sys.argv.index("--out") + 1]
+def handshake(name):  # a marker for the injector, then wait until it has killed
+    open(out + name, "w").close()
+    while not os.path.exists(out + name + ".killed"):
+        time.sleep(0.01)
+handshake(".stepping")
+steps_done_at = time.time()
+handshake(".done")
+pq.write_table(pa.Table.from_pylist([
+    {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
+     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
+    + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
+        "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (2, 3)]),
+    out)
+with open(sys.argv[sys.argv.index("--stats") + 1], "w") as f:
+    json.dump({"tokens": 2, "wall_s": 1.0, "worker_deaths": 1, "recoveries": 1,
+               "steps_done_at": steps_done_at, "workers": []}, f)
+"""
+
+
+def test_a_kill_after_the_rounds_last_step_is_no_kill_of_the_round(tmp_path, monkeypatch):
+    """A worker killed after its round's job had taken its last step had nothing left to
+    run: no death is found, nothing recovers. It counted as a kill of that round, so the
+    round read '2 kills, 1 recovery' (a kill with no recovery). It is counted apart now, as
+    after the end, in rounds.parquet, faults.parquet, the summary and the report."""
+    import threading
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, LATE_KILL_GENERATE, "")
+    out = tmp_path / "soak"
+
+    class Injector(threading.Thread):  # kills when the fake run asks, as WorkerKiller records
+        def __init__(self, every_s):
+            super().__init__(daemon=True)
+            self.round, self.events, self.halt = (-1, ""), [], threading.Event()
+
+        def run(self):
+            while not self.halt.wait(0.01):
+                for marker in sorted((out / "rounds").glob("*.parquet.*")):
+                    killed = marker.with_name(marker.name + ".killed")
+                    if marker.suffix in (".stepping", ".done") and not killed.exists():
+                        rnd, arm = self.round
+                        self.events.append({"time_s": runner.time.time(), "round": rnd,
+                                            "arm": arm, "worker": "w1", "pid": 1})
+                        killed.touch()
+
+        def stop(self):
+            self.halt.set()
+            self.join(timeout=5)
+
+    monkeypatch.setattr(runner, "WorkerKiller", Injector)
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path), out=out, rounds=2,
+                           kill_every_s=1.0)
+    summary, code = runner.run_soak(plan)
+    assert code == 0, summary["gate"]
+    assert summary["faults"] == {"kills": 2, "kills_after_end": 2, "recoveries": 2,
+                                 "lost_requests": 0, "failed_rounds": 0}
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.kills.tolist() == [1, 1] and rounds.kills_after_end.tolist() == [1, 1]
+    assert rounds.kills.tolist() == rounds.recoveries.tolist()
+    faults = pd.read_parquet(out / "faults.parquet")
+    assert faults["round"].tolist() == [0, 0, 1, 1]
+    assert faults.after_end.tolist() == [False, True, False, True]
+    page = (out / "report.html").read_text()
+    assert "2 worker kills while a round's job ran, 2 recoveries, 0 lost requests; 2 more " \
+           "killed after their round's job had taken its last step" in page
+    # a run with no steps_done_at (an older build, a crash): the run's end is the bound
+    rounds = rounds.assign(steps_done_at=None)
+    late = runner.classify_kills([{"time_s": rounds.end_s[0] - 1e-3, "round": 0, "arm": "A"},
+                                  {"time_s": rounds.end_s[0] + 1e-3, "round": 0, "arm": "A"},
+                                  {"time_s": rounds.start_s[1] - 1e-3, "round": 1, "arm": "A"},
+                                  {"time_s": rounds.start_s[0], "round": -1, "arm": ""}], rounds)
+    assert [k["after_end"] for k in late] == [False, True, True, True]
