@@ -137,7 +137,7 @@ def batched_gated_mlp(rows: np.ndarray, xs, gate_up, down):
     y = cp.empty((G, C, H), cp.float32)
     rows = np.asarray(rows, np.int64)
     g = np.arange(G, dtype=np.int64)
-    f4 = 4
+    f4 = xs.itemsize
     ptrs = np.concatenate([
         gate_up.data.ptr + rows * gate_up[0].nbytes, xs.data.ptr + g * (C * H * f4),
         t.data.ptr + g * (C * 2 * inter * f4)]).astype(np.uint64)

@@ -95,13 +95,7 @@ def grouped_expert_sum(x, idx: np.ndarray, w: np.ndarray, mlp: Callable, xp: Any
         return out
     order = np.concatenate([pick for _, pick in groups])  # flat picks, grouped by expert
     tok = order // k  # each token picks an expert at most once: no token twice in a group
-    count = np.bincount(tok, minlength=N)
-    by_tok = np.argsort(tok, kind="stable")  # a token's picks, still in ascending expert order
-    place = np.empty(len(order), np.int64)  # a pick's place in its token's sum
-    place[by_tok] = np.arange(len(order)) - (np.cumsum(count) - count)[tok[by_tok]]
-    depth = int(count.max())
-    back = np.full(N * depth, len(order), np.int64)  # [token, place] -> row of ys (last: zeros)
-    back[tok * depth + place] = np.arange(len(order))
+    depth, back = _sum_table(tok, N, np.arange(len(order)), len(order))
     wts = xp.asarray(np.asarray(w, np.float32).reshape(-1)[order][:, None])
     xs = xp.take(x, xp.asarray(tok), axis=0)  # [P, hidden], grouped by expert
     ys = xp.empty((len(order) + 1, x.shape[1]), x.dtype)  # weighted outputs, then a zero row
@@ -115,6 +109,21 @@ def grouped_expert_sum(x, idx: np.ndarray, w: np.ndarray, mlp: Callable, xp: Any
     for j in range(depth):
         out += z[:, j]
     return out
+
+
+def _sum_table(tok: np.ndarray, N: int, rows: np.ndarray, zero: int) -> tuple[int, np.ndarray]:
+    """(depth, back [N * depth]) for adding each token's outputs in the order of its picks:
+    tok [P] the token of each pick (picks in ascending expert order), rows [P] the output row
+    of each; back[n * depth + j] is the row of token n's j-th pick, `zero` (a row of zeros)
+    where it has fewer than depth."""
+    count = np.bincount(tok, minlength=N)
+    by_tok = np.argsort(tok, kind="stable")  # a token's picks, still in ascending expert order
+    place = np.empty(len(tok), np.int64)  # a pick's place in its token's sum
+    place[by_tok] = np.arange(len(tok)) - (np.cumsum(count) - count)[tok[by_tok]]
+    depth = int(count.max())
+    back = np.full(N * depth, zero, np.int64)
+    back[tok * depth + place] = rows
+    return depth, back
 
 
 def batched_expert_sum(x, idx: np.ndarray, w: np.ndarray, batched_mlp: Callable, xp: Any = np):
@@ -154,14 +163,7 @@ def batched_expert_sum(x, idx: np.ndarray, w: np.ndarray, batched_mlp: Callable,
         live = pk.reshape(-1) >= 0
         pick_row[pk.reshape(-1)[live]] = off + np.flatnonzero(live)
     order = np.concatenate([pick for _, pick in groups])  # flat picks, ascending expert
-    tok = order // k
-    count = np.bincount(tok, minlength=N)
-    by_tok = np.argsort(tok, kind="stable")
-    place = np.empty(len(order), np.int64)
-    place[by_tok] = np.arange(len(order)) - (np.cumsum(count) - count)[tok[by_tok]]
-    depth = int(count.max())
-    back = np.full(N * depth, total, np.int64)  # [token, place] -> padded row (last: zeros)
-    back[tok * depth + place] = pick_row[order]
+    depth, back = _sum_table(order // k, N, pick_row[order], total)
     wf = np.append(np.asarray(w, np.float32).reshape(-1), np.float32(0))
     wts = np.concatenate([wf[pk.reshape(-1)] for pk in picks])  # (padding: -1 -> the 0 appended)
     # one upload of the integer tables and one of the weights

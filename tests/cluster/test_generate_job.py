@@ -20,6 +20,20 @@ from runtime_helpers import ROOT, job_config, prompt_lines, rows_by_id, write_li
 N = 14
 
 
+def start_generate(tiny, tmp_path, lines, settings: str):
+    """`kvfleet generate` on `lines` in a child process, in-process workers, max_context 64
+    and the job settings `settings` (YAML lines): (process with stderr as text, prompts,
+    job config, OUT)."""
+    prompts = write_lines(tmp_path / "p.jsonl", lines)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {tiny}\nmax_context: 64\n{settings}workers: {{runtime: inprocess}}\n")
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "generate", "--prompts", str(prompts),
+                             "--out", str(out), "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, prompts, cfg, out
+
+
 def config(tiny, **kw):
     return job_config(tiny, flush_every=3, **kw)
 
@@ -261,21 +275,14 @@ def test_a_second_run_on_the_same_out_is_refused(tiny, tmp_path):
     is free again once the first has ended, however it ended."""
     from cluster.config import JobConfigError
     lines = prompt_lines(40, seed=4, max_tokens=20)
-    prompts = write_lines(tmp_path / "p.jsonl", lines)
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text(f"model: {tiny}\nslots: 1\nmax_context: 64\nflush_every: 1\n"
-                   "workers: {runtime: inprocess}\n")
-    out = tmp_path / "out.parquet"
+    first, prompts, cfg, out = start_generate(tiny, tmp_path, lines, "slots: 1\nflush_every: 1\n")
     parts = tmp_path / "out.parquet.parts"
-    first = subprocess.Popen([sys.executable, "-m", "cluster", "generate", "--prompts",
-                              str(prompts), "--out", str(out), "--config", str(cfg)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while first.poll() is None and time.monotonic() < deadline and not (
                 parts.exists() and list(parts.glob("part-*.parquet"))):
             time.sleep(0.05)
-        assert first.poll() is None, first.stderr.read().decode()[-2000:]
+        assert first.poll() is None, first.stderr.read()[-2000:]
         with pytest.raises(JobConfigError, match=rf"^--out {out}: another kvfleet generate "
                                                  rf"\(pid {first.pid}\) is writing it"):
             run_generate(load_job_config(cfg, env={}), prompts, out, progress=False)
@@ -304,14 +311,8 @@ def test_a_stop_signal_keeps_the_finished_rows(tiny, tmp_path, sig, code, said):
     (SIGINT) likewise, with exit 130 and the same line (it printed a traceback)."""
     import re
     lines = prompt_lines(60, seed=3, max_tokens=12)
-    prompts = write_lines(tmp_path / "p.jsonl", lines)
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text(f"model: {tiny}\nslots: 2\nmax_context: 64\nflush_every: 1000\n"
-                   "progress_every_s: 0.001\nworkers: {runtime: inprocess}\n")
-    out = tmp_path / "out.parquet"
-    proc = subprocess.Popen([sys.executable, "-m", "cluster", "generate", "--prompts", str(prompts),
-                             "--out", str(out), "--config", str(cfg)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, prompts, cfg, out = start_generate(tiny, tmp_path, lines,
+                                             "slots: 2\nflush_every: 1000\nprogress_every_s: 0.001\n")
     reported, err = 0, []
     for line in proc.stderr:
         err.append(line)
