@@ -319,7 +319,7 @@ class WgShape:
         # Q^T, P^T (the reduction scratch lives in it), qscale / M / factors / M with -Inf
         # as 0, c, mbarriers, the L slots' valid-token masks, the R entries' scales and masks
         head = hn * dk * 2 + hn * 128 * 2 + 4 * hn * 4 + 64 + 128 + 64 + nr * (2 * 64 * 4 + 16)
-        lut = 256 * 32 * 4 if self.tier_id == 2 else 0
+        lut = 256 * (64 if dict(self.tuning).get("LUT2", 1) else 32) * 4 if self.tier_id == 2 else 0
         if self.tma:  # unpadded R rows; the R entries start 1024-byte aligned
             rr = -(-(64 * rrow) // 1024) * 1024
             return -(-(head + lut) // 1024) * 1024 + nr * rr + self.nslot * 64 * lrow

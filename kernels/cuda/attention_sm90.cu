@@ -50,8 +50,8 @@
 //
 // Code size: the step loop has to fit the SM's instruction cache, about 36 KB of SASS
 // (tests/gpu/diag_icache.py: ~2300 instructions; beyond, every pass refetches it). kv8 at
-// 64 heads is at 27.8 KB, tq4 at 32.0 KB (scripts/sm90_compile_check.py prints the loop's
-// instructions); 750 never-executed instructions added to its rare rescale path made kv8
+// 64 heads is at 27.8 KB, tq4 at 27.9 KB (32.0 KB with LUT2=0; scripts/sm90_compile_check.py
+// prints the loop's instructions); 750 never-executed instructions added to its rare rescale path made kv8
 // 64 heads 10 % slower (the same code placed after the loop: no change).
 
 #define NCW 8                // consumer warps (two warpgroups)
@@ -194,8 +194,13 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #define RS_MK (2 * HT * 4)
 #define RS_BYTES (2 * HT * 4 + 16)
 #define SM_LUT (SM_RS + NR * RS_BYTES)
+#ifndef LUT2                 // tq4 pair table rows of 1 = 256 bytes (32 words, one per bank, then
+#define LUT2 1               // 128 unused), so that one prmt makes a lookup's offset, entry << 8 |
+#endif                       // lane * 4: prmt + lds; 0 = 128-byte rows, prmt + lea + lds (16 x 32k,
+                             // 64h 0.1784 / 0.1804 -> 0.1706 / 0.1731 ms, 16h 0.1219 / 0.1222 ->
+                             // 0.1167 / 0.1164; the 64-head loop 2003 -> 1742 instructions)
 #if TIER == 2
-#define LUT_BYTES (256 * 32 * 4)                 // pair table, one copy per bank
+#define LUT_BYTES (256 * (LUT2 ? 64 : 32) * 4)   // pair table, one copy per bank
 #else
 #define LUT_BYTES 0
 #endif
@@ -714,6 +719,15 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
 #if TIER == 2
     // pair table: entry b (two codes) of this lane's bank at lut_lane + b * 128; byte k of a
     // word picked by prmt, so a lookup is prmt + lea + lds (4 integer ops with shifts / masks)
+#if LUT2
+    const u32 lut_base = smem_u32(smem + SM_LUT), lane4 = 4 * lane;
+    auto lut_at = [&](u32 w, int k) -> u32 {
+        const u32 off = prmt(w, lane4, 0x5504u | (k << 4));  // [lane * 4, byte k of w, 0, 0]
+        u32 r;
+        asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lut_base + off));
+        return r;
+    };
+#else
     const u32 lut_lane = smem_u32(smem + SM_LUT) + 4 * lane;
     auto lut_at = [&](u32 w, int k) -> u32 {
         const u32 b = prmt(w, 0u, 0x4440u + k);
@@ -721,6 +735,7 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
         asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lut_lane + (b << 7)));
         return r;
     };
+#endif
 #endif
     {
         // A 32-dim group grp of head h (16 words: x[c] = words 4c..4c+3) into Q^T's permuted,
@@ -901,7 +916,7 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
             // the pair table, one copy per bank: thread e writes entry e's 32 copies (16-byte
             // stores, rotated by e so that a warp's stores spread over the banks)
             const u32 v = lut[ctid];
-            uint4* row = (uint4*)(smem + SM_LUT) + ctid * 8;
+            uint4* row = (uint4*)(smem + SM_LUT) + ctid * (LUT2 ? 16 : 8);
 #pragma unroll
             for (int j = 0; j < 8; ++j) row[(j + ctid) & 7] = make_uint4(v, v, v, v);
         }
