@@ -11,7 +11,8 @@ plan.kv) is an error, as the job's KV pool refuses them.
 A fleet plan counts weights in the checkpoint's format (or `--experts`), as the C engine
 stores them. `--as-job` plans the fleet as `kvfleet generate` does instead (its placement,
 cluster/placement.py): bf16 experts, and on cuda devices the dense weights and pinned
-experts as the float32 arrays its CuPy workers upload (cluster/planner.py, loaded).
+experts as the float32 arrays its CuPy workers upload, and the KV pool its workers
+allocate: the main layers' rows, no MTP layer's or DSA indexer rows (cluster/planner.py, loaded).
 A fleet plan counts each slot's context in whole KV pool blocks, as the job's pool holds it:
 --block-size tokens (the job's block_size), 16 by default.
 """
@@ -266,8 +267,12 @@ def _table(d: dict) -> str:
         f"{d['moe_layers']} MoE layers, {d['routed_experts']} routed experts of {size(d['expert_bytes'])} "
         f"({d['expert_format']})" + (f" (+ {d['mtp_experts']} in MTP layers, which kvfleet does not load "
                                      f"or plan)" if d["mtp_experts"] else ""),
-        f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token + indexer "
-        f"{d['index_bytes_per_token']} B/token; sizes in GB (1e9 bytes)",
+        f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token"
+        + (f" ({d['kv_layers']} layers: a kvfleet job's pool caches no MTP layer)"
+           if d["kv_layers"] != d["cached_layers"] else "")
+        + f" + indexer {d['index_bytes_per_token']} B/token"
+        + (" (a kvfleet job computes none)" if d.get("as_job") and d["index_bytes_per_token"] == 0 else "")
+        + "; sizes in GB (1e9 bytes)",
         f"{'device':<22}{'kind':<6}{'slots':>5}{'budget':>9}{'dense':>8}{'kv':>8}{'index':>7}{'shadow':>7}"
         f"{'pinned':>8}{'pin GB':>8}{'free':>8}  max ctx (f32/kv8/tq4)",
     ]
