@@ -369,6 +369,11 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
     held = -(-ctx // block) * block  # (KVPool.for_model gives each slot ceil(ctx / block) blocks)
     for dev, (dense, _) in zip(devices, sizes):
         kv, idx, sh = (held * b for b in _per_token(fp, dev, tier, shadow_floor_bytes, loaded))
+        if dev.capacity <= 0:  # (an "auto" device: a fleet file's sizes are checked when read)
+            what = "free memory ('auto')" if dev.auto else "memory"
+            raise PlanError(f"device {dev.name}: its {what} {gb(dev.memory_bytes)} is no more than its "
+                            f"reserve {gb(dev.reserve_bytes)}: nothing is left for weights or KV (lower its "
+                            "node's reserve_gb, or free memory there)")
         if dense > dev.capacity:
             raise PlanError(f"device {dev.name}: dense weights need {gb(dense)} but its budget is "
                             f"{gb(dev.capacity)} ({gb(dev.memory_bytes)} - reserve {gb(dev.reserve_bytes)})")

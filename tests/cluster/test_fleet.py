@@ -325,3 +325,14 @@ def test_nvidia_smi_id_follows_cuda_visible_devices():
     # set but empty: CUDA sees no device (nvidia-smi read physical GPU 0 for it)
     with pytest.raises(memory_probe.ProbeError, match="CUDA_VISIBLE_DEVICES='' shows 0 device"):
         memory_probe.smi_id(0, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_auto_free_memory_below_the_reserve_says_so(tmp_path, capsys):
+    """An 'auto' device whose free memory is below its reserve_gb was an error about its dense
+    weights and a negative budget ('budget is -1.00 GB (3.00 GB - reserve 4.00 GB)')."""
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 4}\n")
+    card = FLEETS.parent / "models" / "glm-5.2.json"
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cpu0=3.5"]) == 2
+    assert capsys.readouterr().err == ("kvfleet plan: error: device box/cpu0: its free memory ('auto') 3.50 GB "
+                                       "is no more than its reserve 4.00 GB: nothing is left for weights or KV (lower its "
+                                       "node's reserve_gb, or free memory there)\n")
