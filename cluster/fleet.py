@@ -28,7 +28,7 @@ from typing import Annotated, Any, Callable, Literal, Mapping
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster import planner
 from cluster.footprint import WEIGHT_FORMATS, Footprint
@@ -37,10 +37,25 @@ from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
 from kernels.tiers import get_tier
 
 
-# 1 PB: no device comes near it, so a bigger size is one in other units (bytes: 80e9 for an
-# 80 GB card) or a typo, which would plan a device with room for everything (and past about
-# 1.8e299 GB, round(size * GB) overflows)
-MAX_GB = 1e6
+# The most GB (1e9 bytes) one device of each kind may be given (memory, reserve_gb, a
+# --free-gb): well above any device there is (the largest GPUs have 288 GB, Macs 512 GB of
+# unified memory, the largest single hosts tens of TB of RAM), so that a bigger size is one
+# in other units or a typo, which would plan a device with room for every expert: 81920 is an
+# 80 GB card in MiB, 80000000000 in bytes (and past about 1.8e299 GB, round(size * GB)
+# overflows). A cpu device is one worker's memory domain of a host, so it may be far bigger.
+MAX_GB = {"cuda": 2000.0, "metal": 2000.0, "cpu": 64000.0}
+UNITS_HINT = "sizes are in GB (1e9 bytes): an 80 GB card is 80, not 81920 (MiB) or 80000000000 (bytes)"
+
+
+def size_error(kind: str | None, gb_: float, of: str = "") -> str | None:
+    """Why `gb_` GB is no size for one device of `kind` (None: an unknown kind, the largest
+    limit), or None when it may be one; `of` says whose size it is ("node a")."""
+    limit = MAX_GB.get(kind, max(MAX_GB.values()))
+    if gb_ <= limit:
+        return None
+    what = f"a {kind} device" if kind in MAX_GB else "any device"
+    return (f"{gb_:g} GB{f' ({of})' if of else ''} is more than {what} has (at most {limit:g} "
+            f"GB); {UNITS_HINT}")
 
 
 class FleetError(ValueError):
@@ -58,7 +73,7 @@ class Node(_Frozen):
     kind: Literal["cuda", "cpu", "metal"]
     devices: int = Field(1, ge=1)
     memory: float | Literal["auto"]
-    reserve_gb: float = Field(2.0, ge=0, le=MAX_GB, allow_inf_nan=False)
+    reserve_gb: float = Field(2.0, ge=0, allow_inf_nan=False)
     slots: int = Field(1, ge=1)
     resources: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -70,10 +85,16 @@ class Node(_Frozen):
             return v
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"must be a positive size in GB or 'auto', got {v!r}")
-        if v > MAX_GB:
-            raise ValueError(f"must be a size in GB (1e9 bytes) per device, at most {MAX_GB:.0f}; "
-                             f"got {v!r} (a size in bytes?)")
         return float(v)
+
+    @field_validator("memory", "reserve_gb")
+    @classmethod
+    def _plausible(cls, v: Any, info: ValidationInfo) -> Any:
+        """A size no device of the node's kind has (MAX_GB): one in MiB or bytes."""
+        kind = info.data.get("kind")
+        if v != "auto" and (why := size_error(kind, v, f"node {info.data.get('name', '?')}, kind {kind}")):
+            raise ValueError(why)
+        return v
 
     @model_validator(mode="after")
     def _fits(self) -> "Node":
@@ -89,7 +110,14 @@ class PlanDefaults(_Frozen):
     ctx: int = Field(32768, ge=1)
     kv: str = "f32"
     experts: str = "bf16"
-    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0, le=MAX_GB, allow_inf_nan=False)
+    shadow_floor_gb: float = Field(SHADOW_FLOOR_GB, ge=0, allow_inf_nan=False)
+
+    @field_validator("shadow_floor_gb")
+    @classmethod
+    def _floor(cls, v: float) -> float:
+        if why := size_error("cuda", v):  # (the size of a cuda device that gets a shadow)
+            raise ValueError(why)
+        return v
 
     @field_validator("kv")
     @classmethod

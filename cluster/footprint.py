@@ -202,6 +202,11 @@ class Footprint:
         """KV bytes per token over all cached layers (MTP included)."""
         return self.cached_layers * self.kv_token_bytes(tier)
 
+    def run_kv_bytes_per_token(self, tier: str | Tier) -> int:
+        """KV bytes per token of a kvfleet job's pool (kvstore KVPool.for_model, DevicePool:
+        its bytes_per_token): the main layers' (it runs no MTP layer)."""
+        return self.config.num_hidden_layers * self.kv_token_bytes(tier)
+
     @property
     def index_bytes_per_token(self) -> int:
         return 4 * self.config.index_head_dim * len(self.indexer_layers)

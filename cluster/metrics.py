@@ -35,13 +35,26 @@
 
 Without Ray (in-process runs, tests) the same calls update `JobMetrics.local`, a plain
 dict that tests read; with `enabled=False` they do nothing.
+
+Gauges are kept alive. Ray's metrics agent drops a gauge series about twice its report
+interval (~20 s) after its last set, and most of these are set only on events: a step (a
+single step can take longer: a long prefill, a stuck worker found dead after a timeout),
+a decode-only step (the decode rate, through a long run of prefill steps), a stats pull
+(the expert gauges, after a step). So while a Scheduler runs (`JobMetrics.keep_alive`) a
+thread sets again, every `refresh_s` (5 s), each gauge series that nothing set in that
+time, to its last value; a series of a worker found dead is dropped from that (`forget`),
+so it ages out of the dashboard as the worker did. The cost: one dict entry per series
+(3 + 4 per worker), a lock per set, and a thread that wakes every 5 s and sets only the
+series the steps left alone (none in a busy job).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +62,28 @@ TTFT_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 class JobMetrics:
-    def __init__(self, enabled: bool = True, use_ray: bool | None = None):
+    """backend: what makes the metrics (Counter, Gauge, Histogram), ray.util.metrics when
+    Ray is used (use_ray, or None: Ray is up); tests pass their own. refresh_s, clock: the
+    keep-alive's interval and clock (see the module docstring)."""
+
+    def __init__(self, enabled: bool = True, use_ray: bool | None = None, backend: Any = None,
+                 refresh_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.enabled = enabled
         self.local: dict[str, float] = defaultdict(float)
         self._ray = None
+        self.refresh_s, self.clock = refresh_s, clock
+        # every gauge series set: (key, tags) -> [last value, clock() when set]
+        self._kept: dict[tuple[str, tuple], list[float]] = {}
+        self._lock = threading.Lock()
         if not enabled:
             return
-        if use_ray is None:
+        if backend is None and use_ray is None:
             import ray
             use_ray = ray.is_initialized()
-        if use_ray:
-            from ray.util import metrics as m
+        if backend is not None or use_ray:
+            if backend is None:
+                from ray.util import metrics as backend
+            m = backend
             self._ray = {
                 "tokens": m.Counter("kvfleet_tokens_generated", "tokens sampled"),
                 "rerun": m.Counter("kvfleet_tokens_rerun", "tokens lost with a dead worker"),
@@ -103,14 +127,62 @@ class JobMetrics:
                     for value in values:
                         record(0, tags={tag: value})
 
+    # -- gauges, kept alive -------------------------------------------------------------
+    def _gauge(self, key: str, value: float, **tags: str) -> None:
+        with self._lock:
+            self._set(key, tuple(sorted(tags.items())), value)
+
+    def _set(self, key: str, tags: tuple, value: float) -> None:
+        self._ray[key].set(value, tags=dict(tags) or None)
+        self._kept[(key, tags)] = [value, self.clock()]
+
+    def refresh(self) -> int:
+        """Set again every gauge series not set in the last refresh_s, to its last value;
+        returns how many were."""
+        if not self._ray:
+            return 0
+        with self._lock:
+            now, n = self.clock(), 0
+            for (key, tags), (value, at) in list(self._kept.items()):
+                if now - at >= self.refresh_s:
+                    self._set(key, tags, value)
+                    n += 1
+            return n
+
+    def forget(self, device: str) -> None:
+        """A worker found dead: its series (tag device) are no longer kept alive."""
+        with self._lock:
+            for series in [s for s in self._kept if ("device", device) in s[1]]:
+                del self._kept[series]
+
+    @contextlib.contextmanager
+    def keep_alive(self) -> Iterator[None]:
+        """While inside, a thread calls refresh() every refresh_s (nothing without Ray)."""
+        if not self._ray:
+            yield
+            return
+        stop = threading.Event()
+
+        def keep():
+            while not stop.wait(self.refresh_s):
+                self.refresh()
+        thread = threading.Thread(target=keep, daemon=True, name="kvfleet-gauges")
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+
+    # -- what the scheduler reports -------------------------------------------------------
     def queue(self, waiting: int, active: int) -> None:
         if not self.enabled:
             return
         self.local["queue_depth"] = waiting
         self.local["active_slots"] = active
         if self._ray:
-            self._ray["queue"].set(waiting)
-            self._ray["active"].set(active)
+            self._gauge("queue", waiting)
+            self._gauge("active", active)
 
     def step(self, tokens: int, wall_s: float, decode: bool = True) -> None:
         """A step's sampled tokens; the decode rate gauge follows decode-only steps (a step
@@ -125,7 +197,7 @@ class JobMetrics:
             if tokens:
                 self._ray["tokens"].inc(tokens)
             if decode:
-                self._ray["tps"].set(rate)
+                self._gauge("tps", rate)
 
     def ttft(self, seconds: float) -> None:
         if not self.enabled:
@@ -140,7 +212,7 @@ class JobMetrics:
             return
         self.local[f"kv_bytes_in_use[{tier},{device}]"] = n
         if self._ray:
-            self._ray["kv"].set(n, tags={"tier": tier, "device": device})
+            self._gauge("kv", n, tier=tier, device=device)
 
     def fallback(self, path: str, n: int = 1) -> None:
         if not self.enabled or n <= 0:
@@ -157,10 +229,10 @@ class JobMetrics:
         if hit_rate is not None:
             self.local[f"expert_hit_rate[{device}]"] = hit_rate
         if self._ray:
-            self._ray["pins"].set(pins, tags={"device": device})
-            self._ray["pins_host"].set(pins_host, tags={"device": device})
+            self._gauge("pins", pins, device=device)
+            self._gauge("pins_host", pins_host, device=device)
             if hit_rate is not None:
-                self._ray["hit"].set(hit_rate, tags={"device": device})
+                self._gauge("hit", hit_rate, device=device)
 
     def worker_died(self, requeued: int, lost_tokens: int = 0) -> None:
         """A worker found dead; `requeued` of its sequences go back to the queue, and the

@@ -28,7 +28,11 @@ The job's own plan (`loaded=True`: cluster/placement.py) counts a cuda device's 
 weights and pinned experts as its CuPy worker holds them, the float32 arrays of
 workers/weights.py (loaded_bytes: twice bf16), so the experts it pins fit the device memory
 it really has; cpu and metal devices are counted as above. `kvfleet plan` keeps the
-checkpoint's format everywhere (the C engine's table).
+checkpoint's format everywhere (the C engine's table). The job's plan also counts the KV
+pool its workers allocate (KVPool.for_model / DevicePool): the main layers' rows, not the
+MTP layers' (it runs none; the C engine caches them), and no DSA indexer rows (a kvfleet job
+computes no indexer: workers/weights.py skips its tensors). Its shadow is projected as
+below, over the same layers.
 
 Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
 disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
@@ -261,6 +265,7 @@ class Plan:
     host: np.ndarray = field(repr=False)  # [n, 2] experts pinned nowhere
     experts_even: bool = False  # an even share fitted every device: dealt out round-robin
     block: int = BLOCK  # tokens per pool block: each slot's ctx is counted in whole blocks
+    loaded: bool = False  # planned as a kvfleet job holds it (plan's `loaded`)
 
     @property
     def warnings(self) -> list[str]:
@@ -282,19 +287,21 @@ class Plan:
 
     def to_dict(self) -> dict:
         fp, layers = self.footprint, self.footprint.run_moe_layers
+        kv, index = token_bytes(fp, self.tier, self.loaded)
         return {
             "model": fp.config.source, "model_type": fp.config.model_type, "tier": self.tier.name,
             "ctx": self.ctx, "block_size": self.block, "expert_format": self.expert_format.name,
             "expert_bytes": self.expert_bytes,
             "cached_layers": fp.cached_layers, "moe_layers": len(layers),
+            # the layers whose KV the plan counts: a kvfleet job's pool has no MTP layer
+            "kv_layers": fp.config.num_hidden_layers if self.loaded else fp.cached_layers,
             # the experts planned (a job loads them); the MTP layers' are not
             "routed_experts": fp.run_experts, "mtp_experts": fp.routed_experts - fp.run_experts,
             "pinned_experts": int(sum(len(d.pinned) for d in self.devices)),
             "host_experts": int(len(self.host)), "experts_even": self.experts_even,
             "host_dtype": np.dtype(PARAM_DTYPE).name,
             "host_bytes": int(sum(d.host_bytes for d in self.devices)),
-            "kv_bytes_per_token": fp.kv_bytes_per_token(self.tier),
-            "index_bytes_per_token": fp.index_bytes_per_token,
+            "kv_bytes_per_token": kv, "index_bytes_per_token": index,
             "devices": [d.to_dict(layers) for d in self.devices],
             "warnings": self.warnings,
         }
@@ -311,20 +318,30 @@ def device_bytes(fp: Footprint, kind: str, experts: str | WeightFormat = "bf16",
     return fp.dense_bytes, fp.expert_bytes(experts)
 
 
-def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int) -> tuple[int, int, int]:
+def token_bytes(fp: Footprint, tier: str | Tier, loaded: bool = False) -> tuple[int, int]:
+    """(KV, DSA indexer) bytes per token of one slot: of every cached layer, as the C engine
+    holds them; with `loaded`, as a kvfleet job's pool does (main layers, no indexer rows)."""
+    if loaded:
+        return fp.run_kv_bytes_per_token(tier), 0
+    return fp.kv_bytes_per_token(tier), fp.index_bytes_per_token
+
+
+def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int,
+               loaded: bool = False) -> tuple[int, int, int]:
     """(kv, index, shadow) bytes per context token on this device, all its slots."""
-    shadow = fp.kv_bytes_per_token(SHADOW_TIER) if dev.has_shadow(floor) else 0
-    return (dev.slots * fp.kv_bytes_per_token(tier), dev.slots * fp.index_bytes_per_token,
-            dev.slots * shadow)
+    kv, index = token_bytes(fp, tier, loaded)
+    shadow = token_bytes(fp, SHADOW_TIER, loaded)[0] if dev.has_shadow(floor) else 0
+    return dev.slots * kv, dev.slots * index, dev.slots * shadow
 
 
 def max_context(fp: Footprint, dev: DeviceBudget, tier: str | Tier,
                 shadow_floor_bytes: int = int(SHADOW_FLOOR_GB * GB), dense: int | None = None,
-                block: int = BLOCK) -> int:
+                block: int = BLOCK, loaded: bool = False) -> int:
     """Longest context (whole blocks of `block` tokens) every slot of `dev` could have under
-    `tier`, no experts pinned; dense: the dense weights' bytes there (default fp.dense_bytes)."""
+    `tier`, no experts pinned; dense: the dense weights' bytes there (default fp.dense_bytes).
+    loaded: the KV as a kvfleet job's pool holds it (token_bytes)."""
     room = dev.capacity - (fp.dense_bytes if dense is None else dense)
-    per = sum(_per_token(fp, dev, get_tier(tier), shadow_floor_bytes))
+    per = sum(_per_token(fp, dev, get_tier(tier), shadow_floor_bytes, loaded))
     return 0 if room <= 0 else (room // per) // block * block
 
 
@@ -351,12 +368,18 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
     fixed, rooms = [], []
     held = -(-ctx // block) * block  # (KVPool.for_model gives each slot ceil(ctx / block) blocks)
     for dev, (dense, _) in zip(devices, sizes):
-        kv, idx, sh = (held * b for b in _per_token(fp, dev, tier, shadow_floor_bytes))
+        kv, idx, sh = (held * b for b in _per_token(fp, dev, tier, shadow_floor_bytes, loaded))
+        if dev.capacity <= 0:  # (an "auto" device: a fleet file's sizes are checked when read)
+            what = "free memory ('auto')" if dev.auto else "memory"
+            raise PlanError(f"device {dev.name}: its {what} {gb(dev.memory_bytes)} is no more than its "
+                            f"reserve {gb(dev.reserve_bytes)}: nothing is left for weights or KV (lower its "
+                            "node's reserve_gb, or free memory there)")
         if dense > dev.capacity:
             raise PlanError(f"device {dev.name}: dense weights need {gb(dense)} but its budget is "
                             f"{gb(dev.capacity)} ({gb(dev.memory_bytes)} - reserve {gb(dev.reserve_bytes)})")
         if dense + kv + idx + sh > dev.capacity:
-            longest = {t: max_context(fp, dev, t, shadow_floor_bytes, dense, block) for t in report_tiers}
+            longest = {t: max_context(fp, dev, t, shadow_floor_bytes, dense, block, loaded)
+                       for t in report_tiers}
             raise PlanError(
                 f"device {dev.name}: dense weights {gb(dense)} + {tier.name} KV pool {gb(kv)} + indexer "
                 f"{gb(idx)} + shadow {gb(sh)} for {dev.slots} slot(s) x {ctx} tokens exceed its budget "
@@ -371,8 +394,9 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
     plans = tuple(
         DevicePlan(dev, ctx, dense, kv, idx, sh, a.shard(w, pinned_only=True),
                    int((a.pinned & (a.owner == w)).sum()) * e, len(host),
-                   {t: max_context(fp, dev, t, shadow_floor_bytes, dense, block) for t in report_tiers},
+                   {t: max_context(fp, dev, t, shadow_floor_bytes, dense, block, loaded)
+                    for t in report_tiers},
                    int(on_host[w].sum()) * expert_f32 + (dense_f32 if dev.kind == "cpu" else 0))
         for w, (dev, (dense, e), (kv, idx, sh)) in enumerate(zip(devices, sizes, fixed)))
-    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even, block)
+    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even, block, loaded)
 

@@ -133,7 +133,12 @@ class Scheduler:
     def run(self, items: Iterable[Prepared], on_result: Callable[[Result], None],
             should_stop: Callable[[], bool] = lambda: False) -> SchedulerStats:
         """Generate for every item; `on_result` gets each Result as its sequence ends.
-        `should_stop()` true = admit nothing more and finish the sequences in flight."""
+        `should_stop()` true = admit nothing more and finish the sequences in flight.
+        Meanwhile the metrics' gauges are kept alive (JobMetrics.keep_alive)."""
+        with self.metrics.keep_alive():
+            return self._run(items, on_result, should_stop)
+
+    def _run(self, items, on_result, should_stop) -> SchedulerStats:
         waiting = deque(items)
         active: list[_Seq] = []
         while waiting or active:
@@ -208,6 +213,7 @@ class Scheduler:
                 st.decode_tokens -= sum(s.decode_sampled for s in mine)
                 st.rerun_tokens += lost
                 self.metrics.worker_died(len(mine) if live else 0, lost)
+                self.metrics.forget(self.group.names[w])  # (its gauges age out, as it did)
                 for s in reversed(mine):
                     waiting.appendleft(s.item)
             else:

@@ -11,7 +11,8 @@ plan.kv) is an error, as the job's KV pool refuses them.
 A fleet plan counts weights in the checkpoint's format (or `--experts`), as the C engine
 stores them. `--as-job` plans the fleet as `kvfleet generate` does instead (its placement,
 cluster/placement.py): bf16 experts, and on cuda devices the dense weights and pinned
-experts as the float32 arrays its CuPy workers upload (cluster/planner.py, loaded).
+experts as the float32 arrays its CuPy workers upload, and the KV pool its workers
+allocate: the main layers' rows, no MTP layer's or DSA indexer rows (cluster/planner.py, loaded).
 A fleet plan counts each slot's context in whole KV pool blocks, as the job's pool holds it:
 --block-size tokens (the job's block_size), 16 by default.
 """
@@ -27,7 +28,7 @@ import yaml
 
 from cluster.cli import UsageError
 from cluster.config import REPO_ROOT
-from cluster.fleet import MAX_GB, Fleet, FleetError, plan_fleet
+from cluster.fleet import Fleet, FleetError, plan_fleet, size_error
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import free_bytes
 from cluster.planner import BLOCK, GB, PlanError
@@ -88,7 +89,10 @@ def _usage(path: Path | None) -> np.ndarray | None:
         raise UsageError(f"--usage {path}: cannot read expert usage counts ({e})") from None
 
 
-def _free(specs: list[str]) -> dict[str, int]:
+def _free(specs: list[str], fleet: Fleet) -> dict[str, int]:
+    """--free-gb DEVICE=GB, each of an 'auto' device of `fleet`, at most what a device of its
+    kind may have (cluster.fleet.MAX_GB: a size in MiB or bytes is an error)."""
+    kinds = {d.name: d.node.kind for d in fleet.devices() if d.node.memory == "auto"}
     out = {}
     for s in specs:
         name, _, val = s.partition("=")
@@ -98,9 +102,11 @@ def _free(specs: list[str]) -> dict[str, int]:
             raise UsageError(f"--free-gb {s!r}: expected DEVICE=GB, e.g. node/cuda0=120") from None
         if not math.isfinite(size) or size < 0:
             raise UsageError(f"--free-gb {s!r}: GB must be a finite number >= 0, got {val!r}")
-        if size > MAX_GB:
-            raise UsageError(f"--free-gb {s!r}: GB (1e9 bytes) must be at most {MAX_GB:.0f}, got "
-                             f"{val!r} (a size in bytes?)")
+        if name not in kinds:  # (a typo would be measured on this machine instead)
+            raise UsageError(f"--free-gb {name}: not an 'auto' device of {fleet.source}; its "
+                             f"'auto' devices: {list(kinds) or 'none'}")
+        if why := size_error(kinds[name], size):
+            raise UsageError(f"--free-gb {s!r}: {why}")
         out[name] = round(size * GB)
     return out
 
@@ -172,12 +178,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         fp = _footprint(args.model_config or fleet.model_path())
         _tier_fits(fp, args.kv)  # (the fleet's plan.kv is checked by plan_fleet, naming it)
-        free, probed = _free(args.free_gb), []
-        auto = [d.name for d in fleet.devices() if d.node.memory == "auto"]
-        unknown = sorted(set(free) - set(auto))
-        if unknown:  # (a typo would be measured on this machine instead)
-            raise UsageError(f"--free-gb {', '.join(unknown)}: not an 'auto' device of "
-                             f"{fleet.source}; its 'auto' devices: {auto or 'none'}")
+        free, probed = _free(args.free_gb, fleet), []
 
         def measure(spec):
             if spec.name in free:
@@ -266,8 +267,12 @@ def _table(d: dict) -> str:
         f"{d['moe_layers']} MoE layers, {d['routed_experts']} routed experts of {size(d['expert_bytes'])} "
         f"({d['expert_format']})" + (f" (+ {d['mtp_experts']} in MTP layers, which kvfleet does not load "
                                      f"or plan)" if d["mtp_experts"] else ""),
-        f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token + indexer "
-        f"{d['index_bytes_per_token']} B/token; sizes in GB (1e9 bytes)",
+        f"KV {d['tier']} at {d['ctx']} tokens/slot: {d['kv_bytes_per_token']} B/token"
+        + (f" ({d['kv_layers']} layers: a kvfleet job's pool caches no MTP layer)"
+           if d["kv_layers"] != d["cached_layers"] else "")
+        + f" + indexer {d['index_bytes_per_token']} B/token"
+        + (" (a kvfleet job computes none)" if d.get("as_job") and d["index_bytes_per_token"] == 0 else "")
+        + "; sizes in GB (1e9 bytes)",
         f"{'device':<22}{'kind':<6}{'slots':>5}{'budget':>9}{'dense':>8}{'kv':>8}{'index':>7}{'shadow':>7}"
         f"{'pinned':>8}{'pin GB':>8}{'free':>8}  max ctx (f32/kv8/tq4)",
     ]

@@ -59,14 +59,30 @@ def test_examples_load():
     ("nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: b, kind: cpu, memory: 9, reserve_gb: .nan}\n",
      "fleet.yaml: nodes.1.reserve_gb: Input should be a finite number (got nan)"),
     # sizes in other units, or too big for bytes: planned as a device with room for everything,
-    # or an OverflowError traceback (round(size * GB) of 1e300 GB)
+    # or an OverflowError traceback (round(size * GB) of 1e300 GB); the bound is per kind
+    # (cluster.fleet.MAX_GB), so an 80 GB card in MiB (81920) is caught too
     ("nodes:\n  - {name: a, kind: cuda, memory: 80000000000, reserve_gb: 4}\n",
-     "fleet.yaml: nodes.0.memory: must be a size in GB (1e9 bytes) per device, at most 1000000; got 80000000000"),
-    ("nodes:\n  - {name: a, kind: cuda, memory: 1.0e+300}\n", "fleet.yaml: nodes.0.memory: must be a size in GB"),
+     "fleet.yaml: nodes.0.memory: 8e+10 GB (node a, kind cuda) is more than a cuda device has (at most "
+     "2000 GB); sizes are in GB (1e9 bytes): an 80 GB card is 80, not 81920 (MiB) or 80000000000 (bytes)"),
+    ("nodes:\n  - {name: gpu-box, kind: cuda, devices: 4, memory: 81920, reserve_gb: 4}\n",
+     "fleet.yaml: nodes.0.memory: 81920 GB (node gpu-box, kind cuda) is more than a cuda device has "
+     "(at most 2000 GB); sizes are in GB"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 80}\n  - {name: studio, kind: metal, memory: 196608}\n",
+     "fleet.yaml: nodes.1.memory: 196608 GB (node studio, kind metal) is more than a metal device has "
+     "(at most 2000 GB)"),
+    ("nodes:\n  - {name: ram, kind: cpu, memory: 524288, reserve_gb: 32}\n",
+     "fleet.yaml: nodes.0.memory: 524288 GB (node ram, kind cpu) is more than a cpu device has (at most "
+     "64000 GB)"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: 1.0e+300}\n", "fleet.yaml: nodes.0.memory: 1e+300 GB (node a"),
     ("nodes:\n  - {name: a, kind: cpu, memory: auto, reserve_gb: 1.0e+300}\n",
-     "fleet.yaml: nodes.0.reserve_gb: Input should be less than or equal to 1000000 (got 1e+300)"),
+     "fleet.yaml: nodes.0.reserve_gb: 1e+300 GB (node a, kind cpu) is more than a cpu device has"),
+    ("nodes:\n  - {name: a, kind: cuda, memory: auto, reserve_gb: 4096}\n",
+     "fleet.yaml: nodes.0.reserve_gb: 4096 GB (node a, kind cuda) is more than a cuda device has (at most "
+     "2000 GB); sizes are in GB"),
     ("plan: {shadow_floor_gb: 1.0e+300}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n",
-     "fleet.yaml: plan.shadow_floor_gb: Input should be less than or equal to 1000000 (got 1e+300)"),
+     "fleet.yaml: plan.shadow_floor_gb: 1e+300 GB is more than a cuda device has (at most 2000 GB)"),
+    ("plan: {shadow_floor_gb: 32768}\nnodes:\n  - {name: a, kind: cuda, memory: 80}\n",
+     "fleet.yaml: plan.shadow_floor_gb: 32768 GB is more than a cuda device has (at most 2000 GB); sizes are in GB"),
 ])
 def test_errors_name_file_and_field(tmp_path, body, where):
     with pytest.raises(FleetError) as e:
@@ -238,14 +254,32 @@ def test_cli_plan_free_gb_must_be_finite(tmp_path, capsys, value):
 
 
 def test_cli_plan_free_gb_must_be_a_size_in_gb(tmp_path, capsys):
-    """A --free-gb in bytes planned a device with room for everything; 1e300 was an OverflowError."""
-    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 2}\n")
+    """A --free-gb in bytes or MiB planned a device with room for everything; 1e300 was an
+    OverflowError. The bound is the device's kind's (cluster.fleet.MAX_GB)."""
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 2}\n"
+                            "  - {name: gpu, kind: cuda, memory: auto, reserve_gb: 4}\n")
     card = FLEETS.parent / "models" / "glm-5.2.json"
-    for value in ("120000000000", "1e300"):
-        assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", f"box/cpu0={value}"]) == 2
-        assert (f"--free-gb 'box/cpu0={value}': GB (1e9 bytes) must be at most 1000000, got '{value}'"
-                in capsys.readouterr().err)
-    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cpu0=1000000"]) == 0
+    for spec, want in (("box/cpu0=120000000000", "1.2e+11 GB is more than a cpu device has (at most 64000 GB)"),
+                       ("box/cpu0=1e300", "1e+300 GB is more than a cpu device has (at most 64000 GB)"),
+                       ("gpu/cuda0=143360", "143360 GB is more than a cuda device has (at most 2000 GB)")):
+        assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", spec,
+                     "--free-gb", "gpu/cuda0=140", "--free-gb", spec]) == 2
+        err = capsys.readouterr().err
+        assert f"--free-gb '{spec}': {want}; sizes are in GB (1e9 bytes)" in err, err
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cpu0=64000",
+                 "--free-gb", "gpu/cuda0=2000"]) == 0
+
+
+def test_the_largest_devices_there_are_plan(tmp_path):
+    """The per-kind bounds leave room for every real device: a 288 GB GPU, a 512 GB Mac, a
+    24 TB host, and each kind's bound itself."""
+    fleet = Fleet.from_file(write(tmp_path, "nodes:\n  - {name: b300, kind: cuda, memory: 288}\n"
+                                            "  - {name: mac, kind: metal, memory: 512, reserve_gb: 24}\n"
+                                            "  - {name: mac2, kind: metal, memory: auto, reserve_gb: 2000}\n"
+                                            "  - {name: flex, kind: cpu, memory: 24000}\n"
+                                            "  - {name: edge, kind: cuda, memory: 2000, reserve_gb: 1999.5}\n"
+                                            "  - {name: huge, kind: cpu, memory: 64000}\n"))
+    assert [n.memory for n in fleet.nodes] == [288, 512, "auto", 24000, 2000, 64000]
 
 
 def test_cli_plan_free_gb_must_name_an_auto_device(tmp_path, capsys):
@@ -291,3 +325,14 @@ def test_nvidia_smi_id_follows_cuda_visible_devices():
     # set but empty: CUDA sees no device (nvidia-smi read physical GPU 0 for it)
     with pytest.raises(memory_probe.ProbeError, match="CUDA_VISIBLE_DEVICES='' shows 0 device"):
         memory_probe.smi_id(0, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_auto_free_memory_below_the_reserve_says_so(tmp_path, capsys):
+    """An 'auto' device whose free memory is below its reserve_gb was an error about its dense
+    weights and a negative budget ('budget is -1.00 GB (3.00 GB - reserve 4.00 GB)')."""
+    fleet = write(tmp_path, "nodes:\n  - {name: box, kind: cpu, memory: auto, reserve_gb: 4}\n")
+    card = FLEETS.parent / "models" / "glm-5.2.json"
+    assert main(["plan", "--config", str(fleet), "--model-config", str(card), "--free-gb", "box/cpu0=3.5"]) == 2
+    assert capsys.readouterr().err == ("kvfleet plan: error: device box/cpu0: its free memory ('auto') 3.50 GB "
+                                       "is no more than its reserve 4.00 GB: nothing is left for weights or KV (lower its "
+                                       "node's reserve_gb, or free memory there)\n")

@@ -534,3 +534,50 @@ def test_tiers_a_models_widths_cannot_use_are_unavailable(tmp_path, capsys, kv_l
     assert capsys.readouterr().out.splitlines()[3].endswith("/-")  # max ctx f32/kv8/tq4: tq4 shows -
     with pytest.raises(PlanError, match="tier tq4 rotates rows"):
         plan(fp, [DeviceBudget("h", "cpu", 4 * GB)], tier="tq4", ctx=64)
+
+
+@pytest.mark.parametrize("tier", ["kv8", "tq4", "f32"])
+def test_the_jobs_plan_counts_the_kv_pool_its_workers_allocate(tier):
+    """The job's plan (loaded: cluster/placement.py, kvfleet plan --as-job) counts a device's
+    KV as its worker's pool allocates it: KVPool.for_model's planes (DevicePool's are the same
+    shapes on the GPU; bytes_capacity, as the pool counts them), the main layers only (a
+    kvfleet job runs no MTP layer), and no DSA indexer rows (it computes none). It counted
+    the C engine's 79 layers and GLM-5.2's 22 indexer layers: room the experts it could pin
+    never got. `kvfleet plan` keeps the C engine's sizes."""
+    from kvstore.pool import KVPool
+    fp = card("glm-5.2")
+    assert fp.config.num_nextn_predict_layers == 1 and fp.index_bytes_per_token > 0
+    slots, ctx, block = 3, 1000, 48  # (1008 tokens a slot: whole blocks)
+    pool = KVPool.for_model(fp.config, tier, slots, ctx, block_size=block)
+    allocated = pool.bytes_capacity()
+    if tier != "f32":  # (the f32 pool also has scale planes, which it does not count: 8 B a row pair)
+        assert allocated == sum(a.nbytes for p in pool.planes for a in (p.l_codes, p.l_scale, p.r_codes, p.r_scale))
+    devs = [DeviceBudget("g0", "cuda", 90 * GB, slots=slots), DeviceBudget("c0", "cpu", 70 * GB, slots=slots)]
+    job = plan(fp, devs, tier=tier, ctx=ctx, loaded=True, block=block, shadow_floor_bytes=200 * GB)
+    engine = plan(fp, devs, tier=tier, ctx=ctx, block=block, shadow_floor_bytes=200 * GB)
+    for j, e in zip(job.devices, engine.devices):
+        assert j.kv_pool_bytes == allocated == slots * 1008 * 78 * fp.kv_token_bytes(tier)
+        assert j.index_bytes == 0 and j.shadow_bytes == 0
+        assert e.kv_pool_bytes == slots * 1008 * 79 * fp.kv_token_bytes(tier)
+        assert e.index_bytes == slots * 1008 * fp.index_bytes_per_token > 0
+    d, c = job.to_dict(), engine.to_dict()
+    assert (d["kv_layers"], d["kv_bytes_per_token"], d["index_bytes_per_token"]) == (
+        78, allocated // (slots * 1008), 0)
+    assert (c["kv_layers"], c["kv_bytes_per_token"]) == (79, 79 * fp.kv_token_bytes(tier))
+    # the room left goes to experts, and the longest context is the pool's
+    cpu_job, cpu_engine = job.devices[1], engine.devices[1]
+    assert cpu_job.free_bytes + cpu_job.pinned_bytes - (cpu_engine.free_bytes + cpu_engine.pinned_bytes) == (
+        cpu_engine.kv_pool_bytes + cpu_engine.index_bytes - cpu_job.kv_pool_bytes)
+    room = devs[1].capacity - fp.dense_bytes
+    assert cpu_job.max_ctx["kv8"] == room // (slots * 78 * fp.kv_token_bytes("kv8")) // block * block
+
+
+def test_the_jobs_shadow_is_projected_over_its_pools_layers():
+    """A cuda device above the shadow floor: the job's plan projects the kv8 shadow of the
+    layers its pool has (78 of GLM-5.2's), the C engine's plan of all 79."""
+    fp = card("glm-5.2")
+    dev = [DeviceBudget("g0", "cuda", 141 * GB, reserve_bytes=4 * GB, slots=2)]
+    job = plan(fp, dev, tier="tq4", ctx=4096, loaded=True).devices[0]
+    engine = plan(fp, dev, tier="tq4", ctx=4096).devices[0]
+    assert job.shadow_bytes == 2 * 4096 * 78 * fp.kv_token_bytes("kv8")
+    assert engine.shadow_bytes == 2 * 4096 * 79 * fp.kv_token_bytes("kv8")
