@@ -227,6 +227,11 @@ class ArrowKVFile(CacheFile):
         self._bounds.append((start + len(recs), end + size))
 
     def _cut(self, n: int) -> None:
+        """Keep records [0, n). A cut inside a batch writes the kept part of that batch as a
+        new batch over its start, then truncates after it: rewriting bytes the file already
+        holds takes no new space, so on a full disk (a shared one that others fill as soon as
+        a truncate frees blocks) the kept records are not lost, as they were when the file
+        was truncated first and the kept part appended after."""
         keep = max(i for i, (recs, _) in enumerate(self._bounds) if recs <= n)
         recs_at, byte_at = self._bounds[keep]
         check_loaded(self.path, self._file_id)  # before _read takes the path's file_id again
@@ -235,14 +240,22 @@ class ArrowKVFile(CacheFile):
             raise OSError(errno.EIO, f"{self.path}: records {recs_at}..{n} read back short "
                                      f"({len(tail)}): the file changed since it was loaded")
         fd = self._open_in_place(os.O_WRONLY, need=byte_at)
+        size = 0
         try:
-            os.ftruncate(fd, byte_at)
+            if tail is not None:
+                os.lseek(fd, byte_at, os.SEEK_SET)
+                size = self._write_batch(fd, tail, recs_at)
+            os.ftruncate(fd, byte_at + size)
             os.fsync(fd)
+        except BaseException:
+            # the batch after record recs_at may be half overwritten: the file holds recs_at
+            # records for sure, and the next write first cuts it there
+            self._bounds, self._n, self._heal_to = self._bounds[:keep + 1], recs_at, byte_at
+            raise
         finally:
             os.close(fd)
-        self._bounds, self._n = self._bounds[:keep + 1], recs_at  # the file as it is now
-        if tail is not None:  # if this fails, the file and the state hold recs_at records
-            self._append(tail, recs_at)
+        self._bounds = self._bounds[:keep + 1] + ([(n, byte_at + size)] if size else [])
+        self._n = n
 
 
 def _check_batch(batch, meta, n: int, rec: int, data: np.ndarray):

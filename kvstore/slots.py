@@ -6,11 +6,24 @@
         ...
         f.append(new_records)
 
-A slot name becomes a file name by `slot_filename`: a clean name (only [A-Za-z0-9._-], no
-leading dot, at most MAX_STEM characters) is kept as is; any other name has the characters
-outside that set turned into "_" and its leading dots dropped, is cut to MAX_STEM, and gets
+A slot name becomes a file name by `slot_filename`: a clean name (only [a-z0-9._-], no
+leading dot, at most MAX_STEM characters, not a Windows device name such as "con" or
+"lpt1" before its first dot) is kept as is; any other name has the characters outside
+[A-Za-z0-9._-] turned into "_" and its leading dots dropped, is cut to MAX_STEM, and gets
 "~" and 80 bits of the sha256 of the original appended. No clean name contains "~", so two
-different names never share a file, and no name can leave the directory. Each file is
+different names never share a file, and no name can leave the directory. Nor do they on a
+case-insensitive file system (macOS APFS by default, a Windows or SMB share): a clean name
+has no capitals and the digest is lowercase hex, so no two names' files differ only in
+case ("User-A" gets "User-A~<digest>", not a file that "user-a" would share).
+
+Before that rule, a name with capitals (or a device name) that was otherwise clean kept
+its name as its file (`legacy_filename`). `SlotFiles.open` adopts such a file: when the
+name's own file does not exist but its legacy file does, under the legacy file's lock too,
+it renames the legacy file to the new name (logged). On a case-insensitive file system the
+legacy file of "User-A" is the same file as "user-a"'s; it is adopted only if the
+directory lists it under exactly the legacy name (the case-preserved name it was created
+with), else it is left to the name that spells it and "User-A" starts a file of its own
+(logged, naming both). Each file is
 guarded by an exclusive `fcntl.flock` on a sidecar "<file>.lock" (not on the data file,
 which an atomic rewrite replaces); a second writer, in this process or another, gets
 SlotBusyError naming the file and the holder's pid. A slot file that is a symlink (onto
@@ -28,18 +41,24 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import re
 from contextlib import contextmanager
 
 from kernels.tiers import Tier
-from kvstore.cachefile import CacheFile, rewrite_target
+from kvstore.cachefile import CacheFile, fsync_dir, rewrite_target
 from kvstore.coli import ColiKVFile
 from kvstore.disk import ArrowKVFile
 from kvstore.fingerprint import Fingerprint
 
+log = logging.getLogger(__name__)
+
 FORMATS: dict[str, type[CacheFile]] = {"arrow": ArrowKVFile, "coli": ColiKVFile}
 MAX_STEM = 80
+# names Windows reserves for devices, with any extension ("con.arrow" opens the console)
+DEVICE_NAMES = frozenset(["con", "prn", "aux", "nul", *(f"{d}{i}" for d in ("com", "lpt")
+                                                        for i in range(10))])
 
 
 class SlotBusyError(RuntimeError):
@@ -52,10 +71,26 @@ class SlotBusyError(RuntimeError):
 
 
 def slot_filename(name: str, suffix: str) -> str:
-    """A safe, collision-free file name for slot `name` (see the module docstring)."""
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:MAX_STEM]
-    if stem == name and stem:
+    """A safe file name for slot `name`, distinct from every other name's even where case
+    does not count (see the module docstring)."""
+    stem = _stem(name)
+    if stem and stem == name and stem == stem.lower() and stem.split(".")[0] not in DEVICE_NAMES:
         return name + suffix
+    return _hashed(name, stem, suffix)
+
+
+def legacy_filename(name: str, suffix: str) -> str:
+    """The file name that kvfleet gave slot `name` before slot_filename kept case-insensitive
+    file systems apart: capitals and device names kept as is."""
+    stem = _stem(name)
+    return name + suffix if stem == name and stem else _hashed(name, stem, suffix)
+
+
+def _stem(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:MAX_STEM]
+
+
+def _hashed(name: str, stem: str, suffix: str) -> str:
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:20]
     return f"{stem or 'slot'}~{digest}{suffix}"
 
@@ -181,6 +216,39 @@ class SlotFiles:
         path = self.path(name)
         lock = SlotLock(path)
         try:
+            if self._adopt_legacy(name, path) and os.path.islink(path):
+                lock.close()  # a link now: lock its target too, as for any linked slot file
+                lock = SlotLock(path)
             yield self.cls(path, self.fp, self.tier)
         finally:
             lock.close()
+
+    def _adopt_legacy(self, name: str, path: str) -> bool:
+        """Rename the file that `legacy_filename` gave `name` to `path`, if `path` does not
+        exist and the legacy file is this name's (module docstring). Called holding path's
+        lock; takes the legacy file's lock, so a writer of it (an older kvfleet, or on a
+        case-insensitive file system the name that spells it) is a SlotBusyError."""
+        old = os.path.join(self.dir, legacy_filename(name, self.cls.suffix))
+        if old == path or os.path.lexists(path) or not os.path.lexists(old):
+            return False
+        listed = os.listdir(self.dir)
+        base = os.path.basename(old)
+        if base not in listed:  # a case-insensitive file system found another name's file
+            spelt = next((f for f in listed if f.casefold() == base.casefold()), "?")
+            log.warning("cache %r: not resuming from %s: on this case-insensitive file system "
+                        "that is the file %s of the cache %r, a name that differs only in "
+                        "case; %r keeps a file of its own, %s", name, old,
+                        os.path.join(self.dir, spelt), spelt[:-len(self.cls.suffix)] or spelt,
+                        name, path)
+            return False
+        legacy = SlotLock(old)
+        try:
+            if os.path.lexists(path) or not os.path.lexists(old):  # (changed meanwhile)
+                return False
+            os.rename(old, path)  # (a link is renamed, not its target)
+            fsync_dir(path)
+        finally:
+            legacy.close(remove=True)  # its sidecar: no kvfleet of this version locks it again
+        log.warning("cache %r: renamed %s to %s (file names that stay distinct on "
+                    "case-insensitive file systems)", name, old, path)
+        return True

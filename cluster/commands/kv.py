@@ -23,7 +23,7 @@ import numpy as np
 from cluster.cli import UsageError
 from kernels.tiers import TIERS, TierError, get_tier, tier_from_tag
 from kvstore import coli, disk
-from kvstore.cachefile import check_regular
+from kvstore.cachefile import check_regular, unresolved_link
 from kvstore.fingerprint import Fingerprint, HeaderError, plan_load, tier_label
 from kvstore.records import RecordLayout, requantize
 from kvstore.slots import SlotBusyError, SlotLock
@@ -66,8 +66,14 @@ def open_any(path: str):
     the header's tag word). A file that load() would throw away whole is a UsageError."""
     if os.path.isdir(path):
         raise UsageError(f"{path}: is a directory; give one KV cache file in it (*.arrow, *.coli_kv)")
-    if not os.path.isfile(path):
+    if os.path.islink(path) and not os.path.exists(path):  # e.g. onto a share not mounted
+        raise UsageError(unresolved_link(path).strerror)
+    if not os.path.lexists(path):
         raise UsageError(f"{path}: no such file")
+    try:  # a FIFO would block the read; a device is no cache
+        check_regular(path)
+    except OSError as e:
+        raise UsageError(e.strerror) from None
     try:
         with open(path, "rb") as f:
             head = f.read(8)

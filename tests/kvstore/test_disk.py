@@ -392,31 +392,67 @@ def test_failed_rewrite_keeps_file_and_state(tmp_path, monkeypatch, where):
     assert same(g.load(), KVRecords.concat([kept, more])) and g.message is None
 
 
+def two_batches(tmp_path, seed: int):
+    """An Arrow kv8 cache of two batches (6 and 5 records), loaded: (path, records, file)."""
+    p = tmp_path / "c.arrow"
+    full = save(p, SMALL, "kv8", [records(SMALL, "kv8", 6, seed=seed),
+                                  records(SMALL, "kv8", 5, seed=seed + 1)])
+    f = ArrowKVFile(p, SMALL, "kv8")
+    f.load()
+    return p, full, f
+
+
 @pytest.mark.parametrize("op", ["append", "truncate"])
 def test_failed_cut_reappend_leaves_file_and_state_at_the_batch_start(tmp_path, monkeypatch, op):
     import errno
-    p = tmp_path / "c.arrow"
-    full = save(p, SMALL, "kv8", [records(SMALL, "kv8", 6, seed=41),
-                                  records(SMALL, "kv8", 5, seed=42)])
-    f = ArrowKVFile(p, SMALL, "kv8")
-    f.load()
+    p, full, f = two_batches(tmp_path, 41)
     new = records(SMALL, "kv8", 2, seed=43)
 
     def enospc(*_):
         raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-    monkeypatch.setattr(ArrowKVFile, "_write_batch", enospc)  # the partial tail's re-append
+    monkeypatch.setattr(ArrowKVFile, "_write_batch", enospc)  # the partial tail's rewrite
     with pytest.raises(OSError, match="simulated"):
         f.append(new, start=8) if op == "append" else f.truncate(8)  # inside the 2nd batch
     monkeypatch.undo()
-    assert f.length() == 6  # the file was cut at the batch start; the object says so
+    assert f.length() == 6  # the 2nd batch may be torn: the object counts the 1st only
     g = ArrowKVFile(p, SMALL, "kv8")
-    assert same(g.load(), full.slice(0, 6)) and g.message is None
+    assert same(g.load(), full) and g.message is None  # nothing was written, nothing lost
     with pytest.raises(ValueError, match=rf"{p}: append at record start=8 leaves a gap"):
         f.append(new, start=8)  # a blind retry cannot write a batch that does not follow
     assert f.append(KVRecords.concat([full.slice(6, 8), new]), start=6) == 10
     g = ArrowKVFile(p, SMALL, "kv8")
     assert same(g.load(), KVRecords.concat([full.slice(0, 8), new])) and g.message is None
     assert [b - a for (a, _), (b, _) in zip(g._bounds, g._bounds[1:])] == [6, 4]  # no empty batch
+
+
+@pytest.mark.parametrize("op", ["append", "truncate"])
+def test_a_cut_inside_a_batch_on_a_full_disk_keeps_the_records_it_keeps(tmp_path, monkeypatch, op):
+    # A full disk (a shared one: others take the blocks a truncate frees): writes that would
+    # grow the file fail. The cut once truncated to the batch start and appended the kept
+    # part after it, which failed, losing records 6..8 that it was to keep.
+    import errno
+    p, full, f = two_batches(tmp_path, 46)
+    ino, real_write = os.stat(p).st_ino, os.write
+
+    def full_disk(fd, data):
+        st = os.fstat(fd)
+        if st.st_ino == ino and os.lseek(fd, 0, os.SEEK_CUR) + len(data) > st.st_size:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(os, "write", full_disk)
+    if op == "truncate":
+        f.truncate(8)
+    else:  # a prompt that diverged at 8, and a longer sequence than the disk has room for
+        with pytest.raises(OSError, match="No space left"):
+            f.append(records(SMALL, "kv8", 9, seed=48), start=8)
+    monkeypatch.undo()
+    want = full.slice(0, 8)
+    assert f.length() == 8
+    g = ArrowKVFile(p, SMALL, "kv8")
+    assert same(g.load(), want) and g.message is None
+    more = records(SMALL, "kv8", 2, seed=49)
+    assert f.append(more) == 10
+    assert same(ArrowKVFile(p, SMALL, "kv8").load(), KVRecords.concat([want, more]))
 
 
 def test_cut_never_appends_an_empty_tail(tmp_path):

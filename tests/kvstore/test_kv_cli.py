@@ -144,6 +144,24 @@ def test_a_directory_is_named_as_one(tmp_path, capsys):
         assert rc == 2 and f"{d}: is a directory; give one KV cache file in it" in err, err
 
 
+def test_an_input_that_is_no_file_is_named_for_what_it_is(tmp_path, capsys):
+    """A FIFO, a dangling symlink (a cache dir linked onto a share that is not mounted) and
+    a link loop all said 'no such file'."""
+    fifo, dangling, loop = tmp_path / "f.arrow", tmp_path / "d.arrow", tmp_path / "l.arrow"
+    os.mkfifo(fifo)
+    os.symlink(tmp_path / "share" / "c.arrow", dangling)
+    os.symlink(loop, loop)
+    want = {fifo: f"{fifo}: is a FIFO, not a regular file",
+            dangling: f"{dangling}: a symlink to {str(tmp_path / 'share' / 'c.arrow')!r} that "
+                      f"does not resolve",
+            loop: f"{loop}: a symlink to {str(loop)!r} that does not resolve"}
+    for p, words in want.items():
+        for argv in (("inspect", p), ("convert", p, tmp_path / "o.arrow", "--to", "kv8")):
+            rc, _, err = run(capsys, "kv", *argv)
+            assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not os.path.lexists(tmp_path / "o.arrow")
+
+
 def test_convert_errors(tmp_path, capsys):
     p = tmp_path / "c.arrow"
     write(ArrowKVFile, p, FP, "f32", [records(FP, "f32", 2)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -58,9 +59,95 @@ def test_no_name_spells_another_names_file(tmp_path):
 
 def test_clean_names_keep_their_file():
     uuid = "3f2a9b1c-0d4e-4a5b-8c7d-1234567890ab"
-    for n in ["chat-1", "a_b", "A.B-c", "x" * 80, uuid, "req-" + uuid.replace("-", ""),
+    for n in ["chat-1", "a_b", "a.b-c", "x" * 80, uuid, "req-" + uuid.replace("-", ""),
               "job-12345678901", "conv-abcdef012", "conv-1733011200", "a-0123456789"]:
         assert slot_filename(n, ".arrow") == n + ".arrow"
+
+
+def test_no_two_names_share_a_file_where_case_does_not_count():
+    # On APFS (macOS default) or a Windows/SMB share, "User-A.arrow" and "user-a.arrow" are
+    # one file: the two caches overwrote each other and their writers shared one lock.
+    rng = random.Random(7)
+    names = {"User-A", "user-a", "USER-A", "Chat-1", "chat-1", "A.B-c", "a.b-c", "CON", "con",
+             "Con.x", "lpt1", "nul.arrow", "uuid-3F2A9B1C", "uuid-3f2a9b1c", "x" * 80, "X" * 80}
+    alphabet = "aAbB_-.~/0fF9éÉ "
+    names |= {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 10))) for _ in range(3000)}
+    for suffix in (".arrow", ".coli_kv"):
+        pool = set(names)
+        pool |= {slot_filename(n, suffix)[:-len(suffix)] for n in pool}
+        files = {}
+        for n in pool:
+            f = slot_filename(n, suffix)
+            assert files.setdefault(f.casefold(), n) == n, (n, files[f.casefold()], f)
+    for n in ("con", "CON", "aux.1", "com1", "Lpt9.log"):  # Windows device names, any case
+        assert "~" in slot_filename(n, ".arrow")
+    assert slot_filename("User-A", ".arrow").startswith("User-A~")  # still readable
+
+
+def _legacy_cache(s: SlotFiles, name: str, recs) -> str:
+    """A cache file where kvfleet before the case-safe names put slot `name`."""
+    from kvstore.slots import legacy_filename
+    path = os.path.join(s.dir, legacy_filename(name, s.cls.suffix))
+    f = s.cls(path, FP, "kv8")
+    f.load()
+    f.append(recs)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "coli"])
+def test_a_file_under_the_legacy_name_is_adopted(tmp_path, fmt, caplog):
+    s = SlotFiles(tmp_path, FP, "kv8", fmt=fmt)
+    recs = records(FP, "kv8", 6, seed=3)
+    old = _legacy_cache(s, "User-A", recs)
+    assert os.path.basename(old) == "User-A" + s.cls.suffix and s.path("User-A") != old
+    with caplog.at_level("WARNING", logger="kvstore.slots"), s.open("User-A") as f:
+        assert f.path == s.path("User-A") and same(f.load(), recs)
+        f.append(records(FP, "kv8", 2, seed=4, start=6))
+    assert not os.path.lexists(old) and not os.path.lexists(old + ".lock")
+    assert f"renamed {old} to {s.path('User-A')}" in caplog.text
+    with s.open("User-A") as f:  # the next open finds the new file, nothing left to adopt
+        assert len(f.load()) == 8 and same(f.load().slice(0, 6), recs)
+    with s.open("user-a") as f:  # a lowercase name keeps its file; it is another cache
+        assert len(f.load()) == 0
+
+
+def test_a_busy_legacy_file_is_not_renamed_under_its_writer(tmp_path):
+    s = SlotFiles(tmp_path, FP, "kv8")
+    old = _legacy_cache(s, "Chat-7", records(FP, "kv8", 3))
+    held = SlotLock(old)  # an older kvfleet still writing it
+    try:
+        with pytest.raises(SlotBusyError, match=re.escape(old)):
+            with s.open("Chat-7"):
+                pass
+        assert os.path.exists(old) and not os.path.lexists(s.path("Chat-7"))
+    finally:
+        held.close()
+    with s.open("Chat-7") as f:  # let go: adopted
+        assert len(f.load()) == 3
+
+
+def test_a_case_insensitive_file_system_does_not_hand_one_name_anothers_file(tmp_path, monkeypatch,
+                                                                             caplog):
+    # Simulated: "User-A.arrow" resolves to user-a's file (a second name of its inode) but
+    # the directory lists only "user-a.arrow", the case it was created with.
+    s = SlotFiles(tmp_path, FP, "kv8")
+    mine = records(FP, "kv8", 5, seed=1)
+    with s.open("user-a") as f:
+        f.load()
+        f.append(mine)
+    alias = tmp_path / "User-A.arrow"
+    os.link(s.path("user-a"), alias)
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: [n for n in real_listdir(d) if n != alias.name])
+    with caplog.at_level("WARNING", logger="kvstore.slots"), s.open("User-A") as f:
+        assert len(f.load()) == 0  # a clean start, not user-a's conversation
+        f.append(records(FP, "kv8", 2, seed=2))
+    assert "case-insensitive" in caplog.text and s.path("user-a") in caplog.text
+    assert "'User-A'" in caplog.text
+    with s.open("user-a") as f:
+        assert same(f.load(), mine)
+    with s.open("user-a"), s.open("User-A"):  # two writers, two locks
+        pass
 
 
 def test_second_writer_refused_then_allowed(tmp_path):
