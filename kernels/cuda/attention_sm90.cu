@@ -123,8 +123,10 @@ static_assert(CL == 1 || CL == 2 || CL == 4 || CL == 8, "CL: 1, 2, 4 or 8");
                              // bytes) 0.1793 -> 0.1811, so off there
 
 #ifndef MSK                  // 1: masked rows' scores made -Inf behind a warp vote (kv8 16 x 32k
-#define MSK (TIER == 1)      // 64h 0.1364 / 0.1367 -> 0.1344 / 0.1343 ms, 16h 0.0846 -> 0.0838;
-#endif                       // tq4 16h 0.1233 -> 0.1246, so off there); 0: a select per score
+#define MSK 1                // 64h 0.1364 / 0.1367 -> 0.1344 / 0.1343 ms, 16h 0.0846 -> 0.0838;
+#endif                       // tq4 was 16h 0.1233 -> 0.1246 until LUT2, with it 64h 0.1697 /
+                             // 0.1716 -> 0.1694 / 0.1697, 16h 0.1168 / 0.1171 -> 0.1144 /
+                             // 0.1151); 0: a select per score
 #ifndef MZ                   // 1: the numerators read M with -Inf as 0 from an array of its own,
 #define MZ 1                 // written beside M (2 selects a head pair less a step: kv8 16 x 32k
 #endif                       // 64h 0.1341 / 0.1353 -> 0.1332 / 0.1336 ms, 16h 0.0838 -> 0.0831)
