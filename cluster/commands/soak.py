@@ -55,12 +55,16 @@ def run(args) -> int:
     gate = summary["gate"]
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
           + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
-    if plan.kill_every_s and not summary["faults"]["kills"]:  # (a pass that tested no recovery)
-        late = summary["faults"].get("kills_after_end")
-        why = (f"its {late} kills landed after their round's last step, which tests no recovery"
-               if late else "every round ended before the injector found two live workers (it "
-               "spares the last one)")
+    f = summary["faults"]
+    tested = f["kills"] - f.get("kills_unseen", 0) - f.get("kills_unknown", 0)
+    if plan.kill_every_s and not tested:  # (a pass that tested no recovery)
+        reasons = [f"{n} {what}" for n, what in (
+            (f.get("kills_unseen"), "killed an idle worker that the job never stepped again"),
+            (f.get("kills_unknown"), "landed in rounds whose run recorded no deaths count"),
+            (f.get("kills_after_end"), "landed after their round's last step")) if n]
+        why = ("of its kills, " + ", ".join(reasons) if reasons else "every round ended before "
+               "the injector found two live workers (it spares the last one)")
         print(f"soak: warning: --kill-worker-every {args.kill_worker_every} killed no worker "
-              f"while a round's job ran: {why}; give a shorter interval, more prompts, or at "
-              f"least two workers", file=sys.stderr)
+              f"that a round's job found dead: {why}; give a shorter interval, more prompts, or "
+              f"at least two workers", file=sys.stderr)
     return code
