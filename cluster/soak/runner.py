@@ -63,9 +63,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from cluster.cli import UsageError
-from cluster.config import ENV_FIELDS, REPO_ROOT
+from cluster.config import REPO_ROOT
 from cluster.requests import Request, is_input_error, read_requests, result_key
-from cluster.soak.config import SoakArm
+from cluster.soak.config import JOB_ENV, SoakArm, checkout_env
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
 from cluster.soak.summary import COUNTER_GROUPS, OK_FINISH, apply_gate, parity_table, summarize
@@ -89,10 +89,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# the job settings the environment would give every round (cluster/config.py)
-JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 
 def _read_prompts(prompts: Path) -> tuple[set[str], dict[int, float]]:
@@ -138,9 +134,7 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: fl
     out, stats, logf = rdir / f"{stem}.parquet", rdir / f"{stem}.stats.json", rdir / f"{stem}.log"
     cfg = arm.write_job_config(rdir / f"{arm.key}.job.yaml")
     wd = arm.working_dir or REPO_ROOT
-    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
-    env.update(plan.extra_env, RAY_ADDRESS=address, PYTHONPATH=str(wd),
-               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    env = checkout_env(wd, {**plan.extra_env, "RAY_ADDRESS": address})
     cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg),
            "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
            "--stats", str(stats.resolve())]
@@ -415,6 +409,7 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                                    "finish_reason", "ttft_s", "decode_tokens_per_s", "temperature"])
     summary = summarize(requests, rounds)
     summary["labels"] = {a.key: a.label for a in plan.arms}
+    summary["config_check"] = {a.key: a.checked_by for a in plan.arms}  # (soak/config.py)
     for col, outcomes in KILL_COLUMNS.items():
         summary["faults"][col] = sum(k["outcome"] in outcomes for k in kills)
     fails = apply_gate(summary, plan.arms[0].section.gate)

@@ -245,7 +245,11 @@ def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
     rounds = pd.read_parquet(out / "rounds.parquet")
     assert rounds.failed.tolist() == [True, True] and rounds.returncode.tolist() == ["3", "3"]
     assert len(pd.read_parquet(out / "requests.parquet")) == 8  # the served rows are kept
-    assert json.loads((out / "summary.json").read_text())["metrics"]["A"]["failed_rounds"] == 2
+    written = json.loads((out / "summary.json").read_text())
+    assert written["metrics"]["A"]["failed_rounds"] == 2
+    # the fake checkout has no config code of its own: checked here, and the summary says so
+    assert written["config_check"]["A"].startswith("this checkout ") and "could not" in \
+        written["config_check"]["A"]
     page = (out / "report.html").read_text()
     assert "failed rounds: 2" in page and "exit status 3" in page and "rounds/r001_A.log" in page
     # the failed-rounds counter: A's series at 0 from the start, then one per failed round
@@ -533,3 +537,78 @@ def test_kills_are_found_in_time_order_up_to_the_rounds_deaths():
     got = [(k["time_s"], k["outcome"]) for k in runner.classify_kills(kills, rounds)]
     assert got == [(15.0, "unseen"), (11.0, "found"), (18.5, "after_end"), (5.0, "after_end"),
                    (21.0, "found"), (28.9, "found")]  # (in the order given)
+
+
+def _other_build(tmp_path, *edits):
+    """A second checkout of this code (a copy of the tree) whose cluster/config.py has
+    `edits` applied: (old, new) text replacements, each of which must apply."""
+    import shutil
+    from cluster.config import REPO_ROOT
+    build = tmp_path / "newer"
+    for pkg in ("cluster", "kernels", "workers", "kvstore"):
+        shutil.copytree(REPO_ROOT / pkg, build / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    conf = build / "cluster" / "config.py"
+    text = conf.read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    conf.write_text(text)
+    return build
+
+
+def test_an_arms_job_config_is_validated_by_its_own_checkout(tmp_path, caplog):
+    """Arm B's job config was validated with THIS checkout's schema: a setting that only
+    B's newer build knows was refused (B could not be soaked), and one that B's build
+    refuses was accepted (every round then failed on it). B's own code checks it now, and
+    B's job temperature, which parity decides greedy lines by, is its build's default."""
+    build = _other_build(
+        tmp_path,
+        ("    slots: int = Field(8, ge=1)\n",
+         "    slots: int = Field(8, ge=1, le=4)\n    spec_decode_draft: int = Field(0, ge=0)\n"),
+        ("    temperature: float = Field(0.0,", "    temperature: float = Field(0.7,"))
+    new = tmp_path / "B.yaml"
+    new.write_text("kv: kv8\nspec_decode_draft: 2\nsoak:\n  working_dir: newer\n")
+    arm = load_arm(new, "B")
+    assert arm.working_dir == build.resolve() and arm.temperature == 0.7
+    assert arm.checked_by == f"its own checkout {build.resolve()}"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    too_many = tmp_path / "B2.yaml"  # fine here (slots >= 1), refused by the build that runs it
+    too_many.write_text("slots: 6\nsoak:\n  working_dir: newer\n")
+    with pytest.raises(UsageError, match=r"^--vs: the job config is refused by soak\.working_dir "
+                       r".*newer's own code: .*B2\.yaml: slots: Input should be less than or "
+                       r"equal to 4 \(got 6\)$"):
+        load_arm(too_many, "B")
+    here = tmp_path / "here.yaml"  # the same setting for this checkout's code: refused
+    here.write_text("spec_decode_draft: 2\n")
+    with pytest.raises(UsageError, match=r"here\.yaml: spec_decode_draft: Extra inputs"):
+        load_arm(here, "B")
+
+
+def test_an_arm_whose_checkout_cannot_check_its_config_falls_back_visibly(tmp_path, caplog):
+    from cluster.config import REPO_ROOT
+    """A checkout whose `cluster` is no package (no __init__.py: python imports another
+    install's, e.g. an editable one's) cannot say, nor one whose code does not import: the
+    soak warns, naming the arm and why, and checks the config with this checkout's schema."""
+    build = tmp_path / "broken"
+    (build / "cluster").mkdir(parents=True)
+    (build / "cluster" / "__main__.py").write_text("")
+    cfg = tmp_path / "B.yaml"
+    cfg.write_text("kv: kv8\nsoak:\n  working_dir: broken\n")
+    arm = load_arm(cfg, "B")
+    assert arm.checked_by.startswith("this checkout ") and "not that checkout's" in arm.checked_by
+    (build / "cluster" / "__init__.py").write_text("")
+    (build / "cluster" / "config.py").write_text("raise ImportError('needs pydantic 9')\n")
+    caplog.clear()
+    arm = load_arm(cfg, "B")
+    assert arm.checked_by == (f"this checkout {REPO_ROOT} (its own checkout {build} could not: "
+                              "ImportError: needs pydantic 9)")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith(f"--vs {cfg}: cannot validate its job "
+                                                     f"config with soak.working_dir {build}")
+    cfg.write_text("kv: kv9\nsoak:\n  working_dir: broken\n")  # this checkout still refuses
+    with pytest.raises(UsageError, match=r"B\.yaml: kv: .*kv9"):
+        load_arm(cfg, "B")
+    cfg.write_text("soak:\n  working_dir: ~/no-such-kvfleet-checkout\n")
+    with pytest.raises(UsageError, match=r"soak\.working_dir /.*/no-such-kvfleet-checkout is "
+                       r"not a kvfleet checkout \(no such directory\)"):
+        load_arm(cfg, "B")
