@@ -135,7 +135,8 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: fl
     cfg = arm.write_job_config(rdir / f"{arm.key}.job.yaml")
     wd = arm.working_dir or REPO_ROOT
     env = checkout_env(wd, {**plan.extra_env, "RAY_ADDRESS": address})
-    cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg),
+    # every path absolute: the round runs in the arm's checkout, not in this process's cwd
+    cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg.resolve()),
            "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
            "--stats", str(stats.resolve())]
     start = time.time()

@@ -612,3 +612,33 @@ def test_an_arm_whose_checkout_cannot_check_its_config_falls_back_visibly(tmp_pa
     with pytest.raises(UsageError, match=r"soak\.working_dir /.*/no-such-kvfleet-checkout is "
                        r"not a kvfleet checkout \(no such directory\)"):
         load_arm(cfg, "B")
+
+
+CONFIG_READING_GENERATE = """\\
+# generate that reads its --config as the real one does (relative to its cwd: the arm's
+# checkout) and exits 2 where it cannot, else serves every line
+import sys
+from pathlib import Path
+import pyarrow as pa, pyarrow.parquet as pq
+if not Path(sys.argv[sys.argv.index("--config") + 1]).is_file():
+    sys.exit(2)
+pq.write_table(pa.Table.from_pylist([
+    {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
+     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
+    + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
+        "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (2, 3)]),
+    sys.argv[sys.argv.index("--out") + 1])
+"""
+
+
+def test_a_relative_out_works_for_an_arm_in_another_checkout(tmp_path, monkeypatch):
+    """`--out soak` (relative to the operator's cwd) handed the round its job config as
+    soak/rounds/A.job.yaml, which the round, running in the arm's checkout, read relative to
+    that checkout: no such file, exit 2, every round failed."""
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, CONFIG_READING_GENERATE, "")
+    monkeypatch.chdir(tmp_path)
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path),
+                           out=runner.Path("soak"), rounds=1)
+    summary, code = runner.run_soak(plan)
+    assert summary["failed_rounds"] == [] and code == 0, summary["gate"]
+    assert (tmp_path / "soak" / "rounds" / "A.job.yaml").is_file()
