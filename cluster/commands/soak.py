@@ -2,6 +2,7 @@
 
     kvfleet soak --config A.yaml [--vs B.yaml] --prompts FILE.jsonl
                  (--duration 30m | --rounds N) --out DIR [--kill-worker-every 2m]
+                 [--round-timeout 30m]
 
 Exit code 0 when the gate (thresholds in A's `soak.gate`) passes, 1 when it fails (the
 failing metrics are printed), 2 on bad input.
@@ -34,6 +35,9 @@ def register(sub) -> None:
     g.add_argument("--rounds", type=int, help="number of rounds (each runs A, then B)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--kill-worker-every", help="kill a worker actor at this interval (e.g. 20s)")
+    p.add_argument("--round-timeout", default="30m",
+                   help="a round still running after this is stopped, a failed round whose "
+                        "unserved requests count as lost (default 30m)")
     p.set_defaults(func=run, interrupted=lambda args: (
         f"the rounds that finished are kept in {args.out / 'rounds'} (results, stats, logs); "
         f"no summary.json or report.html was written"))
@@ -50,7 +54,8 @@ def run(args) -> int:
     plan = SoakPlan(arms=arms, prompts=args.prompts, out=args.out, rounds=args.rounds,
                     duration_s=parse_duration(args.duration, "--duration") if args.duration else None,
                     kill_every_s=parse_duration(args.kill_worker_every, "--kill-worker-every")
-                    if args.kill_worker_every else None)
+                    if args.kill_worker_every else None,
+                    round_timeout_s=parse_duration(args.round_timeout, "--round-timeout"))
     summary, code = run_soak(plan)
     gate = summary["gate"]
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "

@@ -642,3 +642,21 @@ def test_a_relative_out_works_for_an_arm_in_another_checkout(tmp_path, monkeypat
     summary, code = runner.run_soak(plan)
     assert summary["failed_rounds"] == [] and code == 0, summary["gate"]
     assert (tmp_path / "soak" / "rounds" / "A.job.yaml").is_file()
+
+
+def test_the_round_timeout_is_a_flag(tmp_path, monkeypatch, capsys):
+    """A round's limit was fixed at 30 minutes: a build whose rounds rightly take longer
+    timed out every round, one that hangs held the soak 30 minutes a round. --round-timeout
+    sets it (a bad value names the flag)."""
+    from cluster.cli import main
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, "import time\ntime.sleep(60)\n", "")
+    args = ["soak", "--config", str(cfg), "--prompts", str(_prompts(tmp_path)), "--rounds", "1"]
+    assert main(args + ["--out", str(tmp_path / "bad"), "--round-timeout", "0"]) == 2
+    assert "--round-timeout '0': give a positive duration" in capsys.readouterr().err
+    t0 = runner.time.monotonic()
+    assert main(args + ["--out", str(tmp_path / "soak"), "--round-timeout", "1.5s"]) == 1
+    assert runner.time.monotonic() - t0 < 30
+    s = json.loads((tmp_path / "soak" / "summary.json").read_text())
+    assert s["failed_rounds"] == [{"round": 0, "arm": "A", "returncode": "timeout",
+                                   "runtime_errors": 0}]
+    assert s["faults"]["lost_requests"] == 4
