@@ -376,6 +376,18 @@ def test_the_rounds_scheduler_counters_are_summed_per_arm(tmp_path, monkeypatch)
         assert f"<tr><th>{name}</th><td>{n}</td></tr>" in page, name
 
 
+SERVE_EVERY_LINE = """\
+def serve(out):  # the rows of a run on _prompts(): lines 1 and 4 served, 2 and 3 input errors
+    import pyarrow as pa, pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([
+        {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
+         "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
+        + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
+            "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None}
+           for n in (2, 3)]), out)
+"""
+
+
 class _MarkerInjector:
     """A stand-in for WorkerKiller: records a kill (as it does) each time a fake run leaves
     a `<out>.stepping` or `<out>.done` marker, then answers with `<marker>.killed`."""
@@ -407,11 +419,10 @@ class _MarkerInjector:
         self.thread.join(timeout=5)
 
 
-LATE_KILL_GENERATE = """\
+LATE_KILL_GENERATE = SERVE_EVERY_LINE + """\
 # generate whose injector (the test's) kills one worker while it steps, then one after its
 # last step: it serves every line, finds the first death (recovered) and writes --stats
 import json, os, sys, time
-import pyarrow as pa, pyarrow.parquet as pq
 out = sys.argv[sys.argv.index("--out") + 1]
 def handshake(name):  # a marker for the injector, then wait until it has killed
     open(out + name, "w").close()
@@ -420,12 +431,7 @@ def handshake(name):  # a marker for the injector, then wait until it has killed
 handshake(".stepping")
 steps_done_at = time.time()
 handshake(".done")
-pq.write_table(pa.Table.from_pylist([
-    {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
-     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
-    + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
-        "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (2, 3)]),
-    out)
+serve(out)
 with open(sys.argv[sys.argv.index("--stats") + 1], "w") as f:
     json.dump({"tokens": 2, "wall_s": 1.0, "worker_deaths": 1, "recoveries": 1,
                "steps_done_at": steps_done_at, "workers": []}, f)
@@ -466,22 +472,16 @@ def test_a_kill_after_the_rounds_last_step_is_no_kill_of_the_round(tmp_path, mon
     assert [k["after_end"] for k in late] == [False, True, True, True]
 
 
-IDLE_KILL_GENERATE = """\\
+IDLE_KILL_GENERATE = SERVE_EVERY_LINE + """\
 # generate whose injector (the test's) kills a worker while the job steps, but on a worker
 # with nothing in flight: round 0's scheduler finds no death (worker_deaths 0); round 1
 # crashes (exit 1) before writing --stats, so nothing says what it found
 import json, os, sys, time
-import pyarrow as pa, pyarrow.parquet as pq
 out = sys.argv[sys.argv.index("--out") + 1]
 open(out + ".stepping", "w").close()
 while not os.path.exists(out + ".stepping.killed"):
     time.sleep(0.01)
-pq.write_table(pa.Table.from_pylist([
-    {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
-     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
-    + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
-        "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (2, 3)]),
-    out)
+serve(out)
 if "r001_" in out:
     sys.exit(1)
 with open(sys.argv[sys.argv.index("--stats") + 1], "w") as f:
@@ -614,20 +614,14 @@ def test_an_arm_whose_checkout_cannot_check_its_config_falls_back_visibly(tmp_pa
         load_arm(cfg, "B")
 
 
-CONFIG_READING_GENERATE = """\\
+CONFIG_READING_GENERATE = SERVE_EVERY_LINE + """\
 # generate that reads its --config as the real one does (relative to its cwd: the arm's
 # checkout) and exits 2 where it cannot, else serves every line
 import sys
 from pathlib import Path
-import pyarrow as pa, pyarrow.parquet as pq
 if not Path(sys.argv[sys.argv.index("--config") + 1]).is_file():
     sys.exit(2)
-pq.write_table(pa.Table.from_pylist([
-    {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
-     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
-    + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
-        "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (2, 3)]),
-    sys.argv[sys.argv.index("--out") + 1])
+serve(sys.argv[sys.argv.index("--out") + 1])
 """
 
 
