@@ -67,7 +67,8 @@ def run(args) -> int:
             (f.get("kills_unseen"), "killed an idle worker that the job never stepped again"),
             (f.get("kills_unknown"), "landed in rounds whose run recorded no deaths count"),
             (f.get("kills_after_end"), "landed after their round's last step")) if n]
-        why = ("of its kills, " + ", ".join(reasons) if reasons else "every round ended before "
+        why = ("of its kills, " + ", ".join(reasons) + ", which tests no recovery" if reasons
+               else "every round ended before "
                "the injector found two live workers (it spares the last one)")
         print(f"soak: warning: --kill-worker-every {args.kill_worker_every} killed no worker "
               f"that a round's job found dead: {why}; give a shorter interval, more prompts, or "

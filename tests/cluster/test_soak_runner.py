@@ -523,7 +523,7 @@ def test_a_kill_the_job_never_found_is_classified_not_read_as_unrecovered(
     err = capsys.readouterr().err
     assert "killed no worker that a round's job found dead: of its kills, 1 killed an idle " \
            "worker that the job never stepped again, 1 landed in rounds whose run recorded " \
-           "no deaths count" in err
+           "no deaths count, which tests no recovery" in err
 
 
 def test_kills_are_found_in_time_order_up_to_the_rounds_deaths():
