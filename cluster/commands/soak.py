@@ -2,6 +2,7 @@
 
     kvfleet soak --config A.yaml [--vs B.yaml] --prompts FILE.jsonl
                  (--duration 30m | --rounds N) --out DIR [--kill-worker-every 2m]
+                 [--round-timeout 30m]
 
 Exit code 0 when the gate (thresholds in A's `soak.gate`) passes, 1 when it fails (the
 failing metrics are printed), 2 on bad input.
@@ -34,6 +35,9 @@ def register(sub) -> None:
     g.add_argument("--rounds", type=int, help="number of rounds (each runs A, then B)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--kill-worker-every", help="kill a worker actor at this interval (e.g. 20s)")
+    p.add_argument("--round-timeout", default="30m",
+                   help="a round still running after this is stopped, a failed round whose "
+                        "unserved requests count as lost (default 30m)")
     p.set_defaults(func=run, interrupted=lambda args: (
         f"the rounds that finished are kept in {args.out / 'rounds'} (results, stats, logs); "
         f"no summary.json or report.html was written"))
@@ -50,17 +54,23 @@ def run(args) -> int:
     plan = SoakPlan(arms=arms, prompts=args.prompts, out=args.out, rounds=args.rounds,
                     duration_s=parse_duration(args.duration, "--duration") if args.duration else None,
                     kill_every_s=parse_duration(args.kill_worker_every, "--kill-worker-every")
-                    if args.kill_worker_every else None)
+                    if args.kill_worker_every else None,
+                    round_timeout_s=parse_duration(args.round_timeout, "--round-timeout"))
     summary, code = run_soak(plan)
     gate = summary["gate"]
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
           + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
-    if plan.kill_every_s and not summary["faults"]["kills"]:  # (a pass that tested no recovery)
-        late = summary["faults"].get("kills_after_end")
-        why = (f"its {late} kills landed after their round's last step, which tests no recovery"
-               if late else "every round ended before the injector found two live workers (it "
-               "spares the last one)")
+    f = summary["faults"]
+    tested = f["kills"] - f.get("kills_unseen", 0) - f.get("kills_unknown", 0)
+    if plan.kill_every_s and not tested:  # (a pass that tested no recovery)
+        reasons = [f"{n} {what}" for n, what in (
+            (f.get("kills_unseen"), "killed an idle worker that the job never stepped again"),
+            (f.get("kills_unknown"), "landed in rounds whose run recorded no deaths count"),
+            (f.get("kills_after_end"), "landed after their round's last step")) if n]
+        why = ("of its kills, " + ", ".join(reasons) + ", which tests no recovery" if reasons
+               else "every round ended before "
+               "the injector found two live workers (it spares the last one)")
         print(f"soak: warning: --kill-worker-every {args.kill_worker_every} killed no worker "
-              f"while a round's job ran: {why}; give a shorter interval, more prompts, or at "
-              f"least two workers", file=sys.stderr)
+              f"that a round's job found dead: {why}; give a shorter interval, more prompts, or "
+              f"at least two workers", file=sys.stderr)
     return code

@@ -1,6 +1,15 @@
 """A soak arm's config: a job config YAML (cluster/config.py) with an optional `soak:`
 section that only the soak reads.
 
+The job part is checked by the code that will run it: an arm with a `working_dir` (another
+checkout, e.g. a newer build under test) has its job config validated by that checkout's
+own cluster/config.py, in a subprocess run there as its rounds are, so a setting only the
+newer build knows is accepted and one that it refuses is refused before any round runs; its
+job temperature (parity decides greedy lines by it) is that build's too. Where that checkout
+cannot say (it does not import, or its code has no load_job_config), the soak warns and
+validates with this checkout's schema instead; summary.json's `config_check` records which
+code checked each arm.
+
     kv: kv8                    # ... any JobConfig field
     soak:
       label: kv8               # name in the report (default: the file's stem)
@@ -23,13 +32,25 @@ section that only the soak reads.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.cli import UsageError
-from cluster.config import validate_job_config
+from cluster.config import ENV_FIELDS, REPO_ROOT, validate_job_config
+
+log = logging.getLogger(__name__)
+
+# the job settings the environment would give every round (cluster/config.py): neither the
+# rounds nor an arm's config check get them, each arm runs its own config as written
+JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 
 class _Frozen(BaseModel):
@@ -54,14 +75,12 @@ class SoakArm:
     """One side of an A/B soak: where its job config lies, how to run it, its gate."""
 
     def __init__(self, path: Path, job: dict, section: SoakSection, temperature: float,
-                 key: str = "A"):
+                 key: str = "A", checked_by: str = "this checkout"):
         self.path, self.job, self.section, self.key = path, job, section, key
         self.temperature = temperature  # the job's; a prompt line may set its own
         self.label = section.label or path.stem
-        wd = section.working_dir
-        if wd is not None and not wd.is_absolute():
-            wd = (path.parent / wd).resolve()
-        self.working_dir = wd
+        self.working_dir = _working_dir(path, section)
+        self.checked_by = checked_by  # which code validated the job part (summary.json)
 
     def write_job_config(self, where: Path) -> Path:
         """The job part alone, for `kvfleet generate --config` (which forbids `soak:`)."""
@@ -70,6 +89,73 @@ class SoakArm:
 
 
 FLAGS = {"A": "--config", "B": "--vs"}  # the `kvfleet soak` flag that gives each arm
+
+
+def _working_dir(path: Path, section: SoakSection) -> Path | None:
+    """soak.working_dir, absolute: `~` expanded, a relative one against the arm file's folder."""
+    wd = section.working_dir
+    if wd is None:
+        return None
+    wd = wd.expanduser()
+    return (wd if wd.is_absolute() else path.parent / wd).resolve()
+
+
+def checkout_env(wd: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process run in checkout `wd` for an arm (its rounds, its config
+    check): this one's without the job settings (JOB_ENV), plus `extra`, importing that
+    checkout's code."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
+    env.update(extra or {})
+    env.update(PYTHONPATH=str(wd), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
+    return env
+
+
+# run in the arm's checkout: its own load_job_config on the job part (as its rounds' generate
+# --config reads it); prints one JSON line: the job temperature, or the refusal's message,
+# and the file the code came from (which must be that checkout's)
+_CHECK = """\
+import json, sys
+import cluster.config
+from cluster.cli import UsageError
+from cluster.config import load_job_config
+got = {"source": cluster.config.__file__}
+try:
+    got["temperature"] = float(load_job_config(sys.argv[1]).sampling.temperature)
+except UsageError as e:
+    got["error"] = str(e)
+print(json.dumps(got))
+"""
+CHECK_TIMEOUT_S = 120.0
+
+
+def _check_in_checkout(job: dict, path: Path, wd: Path) -> tuple[dict | None, str]:
+    """The arm's job part validated by checkout wd's own code: ({"temperature": t} or
+    {"error": message}, ""), or (None, why it could not be checked there)."""
+    with tempfile.TemporaryDirectory(prefix="kvfleet-soak-check-") as tmp:
+        job_file = Path(tmp) / path.name
+        job_file.write_text(yaml.safe_dump(job, sort_keys=False))
+        try:
+            p = subprocess.run([sys.executable, "-c", _CHECK, str(job_file)], cwd=wd,
+                               env=checkout_env(wd), capture_output=True, text=True,
+                               timeout=CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return None, f"its check ran past {CHECK_TIMEOUT_S:.0f}s"
+        except OSError as e:
+            return None, e.strerror
+        lines = p.stdout.strip().splitlines()
+        try:
+            got = json.loads(lines[-1]) if p.returncode == 0 and lines else None
+        except json.JSONDecodeError:
+            got = None
+        if not isinstance(got, dict) or not ({"error", "temperature"} & set(got)):
+            err = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+            return None, err
+        source = Path(str(got.get("source"))).resolve()
+        if not source.is_relative_to(wd):  # (e.g. a checkout with no cluster/__init__.py)
+            return None, f"its python imported {source}, not that checkout's cluster/config.py"
+        if "error" in got:  # (its messages name the temporary copy: name the arm's file)
+            got["error"] = str(got["error"]).replace(str(job_file), str(path))
+        return got, ""
 
 
 def load_arm(path: str | Path, key: str = "A") -> SoakArm:
@@ -91,10 +177,25 @@ def load_arm(path: str | Path, key: str = "A") -> SoakArm:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise UsageError(f"{path}: soak.{where}: {err['msg']}") from None
+    flag = FLAGS.get(key, "arm " + key)
+    wd = _working_dir(path, section)
+    if wd is not None and not (wd / "cluster" / "__main__.py").exists():
+        raise UsageError(f"{path}: soak.working_dir {wd} is not a kvfleet checkout "
+                         f"({'no such directory' if not wd.is_dir() else 'no cluster/__main__.py'})")
+    checked_by = "this checkout"
+    if wd is not None and wd != REPO_ROOT:  # the job part, as the arm's own code reads it
+        got, why = _check_in_checkout(data, path, wd)
+        if got is not None and "error" in got:
+            raise UsageError(f"{flag}: the job config is refused by soak.working_dir {wd}'s own "
+                             f"code: {got['error']}")
+        if got is not None:
+            return SoakArm(path, data, section, temperature=got["temperature"], key=key,
+                           checked_by=f"its own checkout {wd}")
+        log.warning("%s %s: cannot validate its job config with soak.working_dir %s's own code "
+                    "(%s); validating it with this checkout's (%s) instead, which may refuse a "
+                    "setting only that build knows or accept one it refuses", flag, path, wd,
+                    why, REPO_ROOT)
+        checked_by = f"this checkout {REPO_ROOT} (its own checkout {wd} could not: {why})"
     cfg = validate_job_config(data, str(path))  # the job part must stand on its own
-    if section.working_dir is not None:
-        wd = section.working_dir if section.working_dir.is_absolute() else path.parent / section.working_dir
-        if not (wd / "cluster" / "__main__.py").exists():
-            raise UsageError(f"{path}: soak.working_dir {wd} is not a kvfleet checkout "
-                             f"(no cluster/__main__.py)")
-    return SoakArm(path, data, section, temperature=cfg.sampling.temperature, key=key)
+    return SoakArm(path, data, section, temperature=cfg.sampling.temperature, key=key,
+                   checked_by=checked_by)

@@ -70,11 +70,15 @@ def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
     if len(bad):  # outlined and hatched: the round failed (cluster/soak/runner.py)
         ax.barh(bad.arm, bad.end_s - bad.start_s, left=bad.start_s - t0, fill=False,
                 edgecolor="#b00", hatch="xx", lw=1.5, label="failed round")
-    # dotted: a kill after its round's job had taken its last step (runner.classify_kills)
+    # dotted: a kill after its round's job had taken its last step, dash-dot: of an idle
+    # worker the job never stepped again (runner.classify_kills)
     late = (faults.after_end if "after_end" in faults
             else pd.Series(False, index=faults.index)).astype(bool)
+    unseen = (faults.outcome == "unseen") if "outcome" in faults \
+        else pd.Series(False, index=faults.index)
     for kills, color, style, label in (
-            (faults[~late], "k", "dashed", "worker killed"),
+            (faults[~late & ~unseen], "k", "dashed", "worker killed"),
+            (faults[unseen], "#777", "dashdot", "idle worker killed (no death found)"),
             (faults[late], "#999", "dotted", "worker killed after its round's last step")):
         if len(kills):
             ax.vlines(kills.time_s - t0, -0.5, len(rounds.arm.unique()) - 0.5, colors=color,
@@ -90,13 +94,23 @@ def _kills(summary: dict) -> str:
     f = summary.get("faults", {})
     if not f.get("kills") and not f.get("kills_after_end"):
         return ""
-    late = f.get("kills_after_end") or 0
-    return (f"<h2>worker kills</h2><p>{f.get('kills', 0)} worker kills while a round's job "
-            f"ran, {f.get('recoveries', 0)} recoveries, {f.get('lost_requests', 0)} lost "
-            "requests" + (f"; {late} more killed after their round's job had taken its last "
-                          "step: nothing was left to run, so no recovery could follow, and they "
-                          "count as no kill of that round (dotted on the timeline)" if late else "")
-            + "</p>")
+    kills, late = f.get("kills") or 0, f.get("kills_after_end") or 0
+    unseen, unknown = f.get("kills_unseen") or 0, f.get("kills_unknown") or 0
+    parts = [f"{kills - unseen - unknown} found dead by the job"]
+    if unseen:
+        parts.append(f"{unseen} of an idle worker (nothing in flight there, and the job gave it "
+                     "nothing after: it never stepped it again, so it found no death and had "
+                     "nothing to recover)")
+    if unknown:
+        parts.append(f"{unknown} in rounds whose run recorded no count of the deaths it found "
+                     "(it crashed or timed out before writing its --stats)")
+    return (f"<h2>worker kills</h2><p>{kills} worker kills while a round's job ran ("
+            + "; ".join(parts) + f"), {f.get('recoveries', 0)} recoveries, "
+            f"{f.get('lost_requests', 0)} lost requests"
+            + (f"; {late} more killed after their round's job had taken its last "
+               "step: nothing was left to run, so no recovery could follow, and they "
+               "count as no kill of that round (dotted on the timeline)" if late else "")
+            + ". Every kill is in faults.parquet with its outcome.</p>")
 
 
 def _failed_rounds(summary: dict) -> str:

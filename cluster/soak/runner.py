@@ -32,10 +32,16 @@ Output under DIR:
                        `failed`: the round's run exited non-zero, timed out or left
                        `runtime_errors` rows, `returncode`; the run's scheduler counters
                        worker_deaths, recoveries, requeued, and fallbacks.<path> and
-                       kv_cache.<event> columns from its --stats; kills and
-                       kills_after_end, and steps_done_at: when its job took its last step)
-    faults.parquet     one row per injected kill; `after_end`: it landed after its round's
-                       job had taken its last step (classify_kills), no kill of that round
+                       kv_cache.<event> columns from its --stats, worker_deaths None where
+                       the run recorded none; kills (while its job ran), of them kills_unseen
+                       and kills_unknown, kills_after_end (KILL_COLUMNS), and steps_done_at:
+                       when its job took its last step)
+    faults.parquet     one row per injected kill, none left out; `outcome` (classify_kills):
+                       found (the job found the death), unseen (the worker was idle: the job
+                       never stepped it again, found no death, had nothing to recover),
+                       unknown (the run recorded no deaths count), after_end (it landed after
+                       its round's job had taken its last step: no kill of that round; also
+                       the `after_end` column)
     summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
     report.html        the self-contained report
 """
@@ -57,9 +63,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from cluster.cli import UsageError
-from cluster.config import ENV_FIELDS, REPO_ROOT
+from cluster.config import REPO_ROOT
 from cluster.requests import Request, is_input_error, read_requests, result_key
-from cluster.soak.config import SoakArm
+from cluster.soak.config import JOB_ENV, SoakArm, checkout_env
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
 from cluster.soak.summary import COUNTER_GROUPS, OK_FINISH, apply_gate, parity_table, summarize
@@ -83,10 +89,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# the job settings the environment would give every round (cluster/config.py)
-JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 
 def _read_prompts(prompts: Path) -> tuple[set[str], dict[int, float]]:
@@ -132,10 +134,9 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: fl
     out, stats, logf = rdir / f"{stem}.parquet", rdir / f"{stem}.stats.json", rdir / f"{stem}.log"
     cfg = arm.write_job_config(rdir / f"{arm.key}.job.yaml")
     wd = arm.working_dir or REPO_ROOT
-    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
-    env.update(plan.extra_env, RAY_ADDRESS=address, PYTHONPATH=str(wd),
-               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg),
+    env = checkout_env(wd, {**plan.extra_env, "RAY_ADDRESS": address})
+    # every path absolute: the round runs in the arm's checkout, not in this process's cwd
+    cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg.resolve()),
            "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
            "--stats", str(stats.resolve())]
     start = time.time()
@@ -168,21 +169,57 @@ def _finite(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+KILL_OUTCOMES = ("found", "unseen", "unknown", "after_end")  # faults.parquet `outcome`
+
+
 def classify_kills(kills: list[dict], rounds: pd.DataFrame) -> list[dict]:
-    """The injector's kills, each with `after_end`: True when it landed outside the steps of
-    its round's job, after the job had taken its last step (its --stats' steps_done_at; where
-    a run has none, an older build's or one that crashed, the end of the run) or before the
-    run began (the previous round's workers, not yet gone). Such a kill had nothing left to
-    run: the job cannot find it or recover from it, so it is no kill of that round (rounds'
-    `kills` and the summary's faults.kills leave it out; `kills_after_end` counts it)."""
+    """The injector's kills, each with `after_end` and `outcome` (one of KILL_OUTCOMES).
+
+    after_end (outcome "after_end"): it landed outside the steps of its round's job, after
+    the job had taken its last step (its --stats' steps_done_at; where a run has none, an
+    older build's or one that crashed, the end of the run) or before the run began (the
+    previous round's workers, not yet gone). Such a kill had nothing left to run: the job
+    cannot find it or recover from it, so it is no kill of that round (rounds' `kills` and
+    the summary's faults.kills leave it out; `kills_after_end` counts it).
+
+    A kill while the job ran is "found" when the job's scheduler found a worker death for it
+    (its --stats' worker_deaths) and "unseen" when it did not: the job steps a worker only
+    while one of its sequences is in flight there, so a worker killed while idle (its slots
+    empty, e.g. the queue had drained onto its peers, or it was still loading and the job
+    ended before it was given a sequence) is never stepped again: no death is found, nothing
+    needed recovering, and nothing was lost. The job counts its deaths, not which worker each
+    was, so a round with more kills than deaths found has its latest kills taken as unseen
+    (the ones most likely to find their worker idle, as the queue drains); the counts per
+    round are exact. "unknown": the run left no count of the deaths it found (it crashed or
+    timed out before writing --stats, or its build writes none), so nothing says which."""
     spans = {(r.round, r.arm): (r.start_s, r.end_s if pd.isna(r.steps_done_at)
                                 else min(r.steps_done_at, r.end_s))
              for r in rounds.itertuples()}
-    out = []
-    for k in kills:
-        span = spans.get((k["round"], k["arm"]))  # (none: a kill before the first round)
-        out.append({**k, "after_end": span is None or not span[0] <= k["time_s"] < span[1]})
+    deaths = {(r.round, r.arm): None if pd.isna(r.worker_deaths) else int(r.worker_deaths)
+              for r in rounds.itertuples()} if "worker_deaths" in rounds else {}
+    found: dict[tuple, int] = {}
+    out: list[dict] = [{} for _ in kills]  # (in the order given; decided in time order)
+    for i in sorted(range(len(kills)), key=lambda i: kills[i]["time_s"]):
+        k = kills[i]
+        key = (k["round"], k["arm"])
+        span = spans.get(key)  # (none: a kill before the first round)
+        late = span is None or not span[0] <= k["time_s"] < span[1]
+        if late:
+            outcome = "after_end"
+        elif deaths.get(key) is None:
+            outcome = "unknown"
+        elif found.get(key, 0) < deaths[key]:
+            outcome, found[key] = "found", found.get(key, 0) + 1
+        else:
+            outcome = "unseen"
+        out[i] = {**k, "after_end": late, "outcome": outcome}
     return out
+
+
+# rounds.parquet's and summary.json's kill counts, by classify_kills' outcome: `kills` are
+# those while a round's job ran (found + unseen + unknown), the others each outcome apart
+KILL_COLUMNS = {"kills": ("found", "unseen", "unknown"), "kills_unseen": ("unseen",),
+                "kills_unknown": ("unknown",), "kills_after_end": ("after_end",)}
 
 
 def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
@@ -220,7 +257,8 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
         "device_mem_bytes": wsum("device_mem_bytes"),
         "errors": len(errors),
         "runtime_errors": len(runtime_errors),
-        "worker_deaths": int(stats.get("worker_deaths", 0)),
+        # None: not recorded (no --stats, or a build that writes none); classify_kills reads it
+        "worker_deaths": int(stats["worker_deaths"]) if "worker_deaths" in stats else None,
         "recoveries": int(stats.get("recoveries", 0)),
         "requeued": int(stats.get("requeued", 0)),
         "lost_requests": len(expected - served),
@@ -361,18 +399,20 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
             ray.shutdown()
     rounds = pd.DataFrame(list(rows))
     kills = classify_kills(killer.events if killer else [], rounds)
-    faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid", "after_end"])
-    for col, after in (("kills", False), ("kills_after_end", True)):
-        rounds[col] = [sum(1 for k in kills if (k["round"], k["arm"], k["after_end"])
-                           == (r, a, after)) for r, a in zip(rounds["round"], rounds["arm"])] \
-            if len(rounds) else []
+    faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid", "after_end",
+                                          "outcome"])
+    for col, outcomes in KILL_COLUMNS.items():
+        rounds[col] = [sum(1 for k in kills if (k["round"], k["arm"]) == (r, a)
+                           and k["outcome"] in outcomes)
+                       for r, a in zip(rounds["round"], rounds["arm"])] if len(rounds) else []
     requests = pd.concat([r for r in reqs if len(r)], ignore_index=True) if any(len(r) for r in reqs) \
         else pd.DataFrame(columns=["round", "arm", "id", "line", "completion_tokens",
                                    "finish_reason", "ttft_s", "decode_tokens_per_s", "temperature"])
     summary = summarize(requests, rounds)
     summary["labels"] = {a.key: a.label for a in plan.arms}
-    summary["faults"]["kills"] = sum(not k["after_end"] for k in kills)
-    summary["faults"]["kills_after_end"] = sum(k["after_end"] for k in kills)
+    summary["config_check"] = {a.key: a.checked_by for a in plan.arms}  # (soak/config.py)
+    for col, outcomes in KILL_COLUMNS.items():
+        summary["faults"][col] = sum(k["outcome"] in outcomes for k in kills)
     fails = apply_gate(summary, plan.arms[0].section.gate)
     summary["gate"] = {"passed": not fails, "failures": [str(f) for f in fails]}
     requests.to_parquet(plan.out / "requests.parquet")

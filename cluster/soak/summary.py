@@ -7,8 +7,11 @@ Inputs are two tables (pandas DataFrames read from the soak's Parquet files):
               decode_tokens_per_s, completion_tokens (list), finish_reason, error,
               temperature (the line's own, else its arm's job temperature), ...
     rounds:   one row per round and arm: round, arm, the ROUND_METRICS below, the
-              fault counters kills, kills_after_end (kills that landed after the round's
-              job had taken its last step: no kill of the round), recoveries,
+              fault counters kills (while the round's job ran), of them kills_unseen
+              (the job found no death for them: the worker was idle, nothing to
+              recover) and kills_unknown (the run recorded no deaths count),
+              kills_after_end (kills that landed after the round's job had taken its
+              last step: no kill of the round; runner.classify_kills), recoveries,
               lost_requests, the run's scheduler
               counters (COUNTERS, and per path / event the COUNTER_GROUPS columns
               "fallbacks.<path>", "kv_cache.<event>"), and `failed` with the run's
@@ -165,7 +168,8 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
         out["parity"] = {"greedy": greedy, "compared": int(par.compared.sum()),
                          "sampled": int(par.sampled.sum()), "breaks": int(len(diffs)),
                          "first_diff_min": None if diffs.empty else int(diffs.first_diff.min())}
-    out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "kills_after_end", "recoveries",
+    out["faults"] = {k: int(rounds[k].sum()) for k in ("kills", "kills_unseen", "kills_unknown",
+                                                       "kills_after_end", "recoveries",
                                                        "lost_requests") if k in rounds}
     if "failed" in rounds:
         bad = failed(rounds)

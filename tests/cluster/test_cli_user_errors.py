@@ -217,8 +217,21 @@ def test_soak_that_killed_no_worker_says_so(tmp_path, capsys, monkeypatch):
         {"rounds": 1, "faults": {"kills": 0, "kills_after_end": 3},
          "gate": {"passed": True, "failures": []}}, 0))
     code, err = run_cli(capsys, *argv, "--kill-worker-every", "20s")
-    assert code == 0 and "--kill-worker-every 20s killed no worker while a round's job ran: " \
-        "its 3 kills landed after their round's last step, which tests no recovery" in err, err
+    assert code == 0 and "--kill-worker-every 20s killed no worker that a round's job found " \
+        "dead: of its kills, 3 landed after their round's last step, which tests no recovery" \
+        in err, err
+    # kills of idle workers that the job never found (classify_kills: unseen) neither
+    monkeypatch.setattr(runner, "run_soak", lambda plan: (
+        {"rounds": 1, "faults": {"kills": 2, "kills_unseen": 2, "kills_after_end": 0},
+         "gate": {"passed": True, "failures": []}}, 0))
+    code, err = run_cli(capsys, *argv, "--kill-worker-every", "20s")
+    assert code == 0 and "of its kills, 2 killed an idle worker that the job never stepped " \
+        "again, which tests no recovery" in err, err
+    monkeypatch.setattr(runner, "run_soak", lambda plan: (
+        {"rounds": 1, "faults": {"kills": 2, "kills_unseen": 1, "kills_after_end": 0},
+         "gate": {"passed": True, "failures": []}}, 0))
+    code, err = run_cli(capsys, *argv, "--kill-worker-every", "20s")  # one was found: silent
+    assert code == 0 and "killed no worker" not in err, err
 
 
 def test_plan_fleet_file_with_a_typo_keeps_its_own_error(tmp_path, capsys):

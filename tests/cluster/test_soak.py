@@ -62,8 +62,8 @@ def test_two_round_ab_soak_records_every_field(setup, monkeypatch):
     assert 0.2 < r["median"] < 0.3
     assert s["parity"]["compared"] == 12 and s["parity"]["greedy"] is True
     assert s["parity"]["sampled"] == 0
-    assert s["faults"] == {"kills": 0, "kills_after_end": 0, "recoveries": 0, "lost_requests": 0,
-                           "failed_rounds": 0}
+    assert s["faults"] == {"kills": 0, "kills_unseen": 0, "kills_unknown": 0, "kills_after_end": 0,
+                           "recoveries": 0, "lost_requests": 0, "failed_rounds": 0}
     assert s["failed_rounds"] == [] and rounds.failed.tolist() == [False] * 4
     assert s["gate"]["passed"] is True
     html = (out / "report.html").read_text()
@@ -106,6 +106,10 @@ def test_soak_with_worker_kills_loses_nothing(setup, monkeypatch):
     faults = pd.read_parquet(out / "faults.parquet")
     assert s["faults"]["kills"] == int((~faults.after_end).sum())
     assert s["faults"]["kills_after_end"] == int(faults.after_end.sum())
+    # every kill has an outcome; those the job found are at most its deaths
+    assert set(faults.outcome) <= {"found", "unseen", "after_end"}
+    assert int((faults.outcome == "found").sum()) <= c["worker_deaths"]
+    assert s["faults"]["kills_unseen"] == int((faults.outcome == "unseen").sum())
     assert c["requeued"] >= 0 and c["runtime_errors"] == 0
     assert code == 0
     req = pd.read_parquet(out / "requests.parquet")

@@ -245,7 +245,11 @@ def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
     rounds = pd.read_parquet(out / "rounds.parquet")
     assert rounds.failed.tolist() == [True, True] and rounds.returncode.tolist() == ["3", "3"]
     assert len(pd.read_parquet(out / "requests.parquet")) == 8  # the served rows are kept
-    assert json.loads((out / "summary.json").read_text())["metrics"]["A"]["failed_rounds"] == 2
+    written = json.loads((out / "summary.json").read_text())
+    assert written["metrics"]["A"]["failed_rounds"] == 2
+    # the fake checkout has no config code of its own: checked here, and the summary says so
+    assert written["config_check"]["A"].startswith("this checkout ") and "could not" in \
+        written["config_check"]["A"]
     page = (out / "report.html").read_text()
     assert "failed rounds: 2" in page and "exit status 3" in page and "rounds/r001_A.log" in page
     # the failed-rounds counter: A's series at 0 from the start, then one per failed round
@@ -372,11 +376,53 @@ def test_the_rounds_scheduler_counters_are_summed_per_arm(tmp_path, monkeypatch)
         assert f"<tr><th>{name}</th><td>{n}</td></tr>" in page, name
 
 
-LATE_KILL_GENERATE = """\
+SERVE_EVERY_LINE = """\
+def serve(out):  # the rows of a run on _prompts(): lines 1 and 4 served, 2 and 3 input errors
+    import pyarrow as pa, pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([
+        {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
+         "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
+        + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
+            "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None}
+           for n in (2, 3)]), out)
+"""
+
+
+class _MarkerInjector:
+    """A stand-in for WorkerKiller: records a kill (as it does) each time a fake run leaves
+    a `<out>.stepping` or `<out>.done` marker, then answers with `<marker>.killed`."""
+
+    def __init__(self, out):
+        import threading
+        self.out, self.round, self.events = out, (-1, ""), []
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __call__(self, every_s):
+        return self
+
+    def start(self):
+        self.thread.start()
+
+    def _run(self):
+        while not self.halt.wait(0.01):
+            for marker in sorted((self.out / "rounds").glob("*.parquet.*")):
+                killed = marker.with_name(marker.name + ".killed")
+                if marker.suffix in (".stepping", ".done") and not killed.exists():
+                    rnd, arm = self.round
+                    self.events.append({"time_s": runner.time.time(), "round": rnd, "arm": arm,
+                                        "worker": f"w{rnd}", "pid": 100 + rnd})
+                    killed.touch()
+
+    def stop(self):
+        self.halt.set()
+        self.thread.join(timeout=5)
+
+
+LATE_KILL_GENERATE = SERVE_EVERY_LINE + """\
 # generate whose injector (the test's) kills one worker while it steps, then one after its
 # last step: it serves every line, finds the first death (recovered) and writes --stats
 import json, os, sys, time
-import pyarrow as pa, pyarrow.parquet as pq
 out = sys.argv[sys.argv.index("--out") + 1]
 def handshake(name):  # a marker for the injector, then wait until it has killed
     open(out + name, "w").close()
@@ -385,12 +431,7 @@ def handshake(name):  # a marker for the injector, then wait until it has killed
 handshake(".stepping")
 steps_done_at = time.time()
 handshake(".done")
-pq.write_table(pa.Table.from_pylist([
-    {"id": i, "line": n, "finish_reason": "length", "error": None, "completion_tokens": [1],
-     "ttft_s": 0.1, "decode_tokens_per_s": 10.0} for i, n in (("a", 1), ("b", 4))]
-    + [{"id": None, "line": n, "finish_reason": "error", "error": f"line {n}: bad",
-        "completion_tokens": [], "ttft_s": None, "decode_tokens_per_s": None} for n in (2, 3)]),
-    out)
+serve(out)
 with open(sys.argv[sys.argv.index("--stats") + 1], "w") as f:
     json.dump({"tokens": 2, "wall_s": 1.0, "worker_deaths": 1, "recoveries": 1,
                "steps_done_at": steps_done_at, "workers": []}, f)
@@ -402,45 +443,26 @@ def test_a_kill_after_the_rounds_last_step_is_no_kill_of_the_round(tmp_path, mon
     run: no death is found, nothing recovers. It counted as a kill of that round, so the
     round read '2 kills, 1 recovery' (a kill with no recovery). It is counted apart now, as
     after the end, in rounds.parquet, faults.parquet, the summary and the report."""
-    import threading
     cfg = _fake_checkout_arm(tmp_path, monkeypatch, LATE_KILL_GENERATE, "")
     out = tmp_path / "soak"
-
-    class Injector(threading.Thread):  # kills when the fake run asks, as WorkerKiller records
-        def __init__(self, every_s):
-            super().__init__(daemon=True)
-            self.round, self.events, self.halt = (-1, ""), [], threading.Event()
-
-        def run(self):
-            while not self.halt.wait(0.01):
-                for marker in sorted((out / "rounds").glob("*.parquet.*")):
-                    killed = marker.with_name(marker.name + ".killed")
-                    if marker.suffix in (".stepping", ".done") and not killed.exists():
-                        rnd, arm = self.round
-                        self.events.append({"time_s": runner.time.time(), "round": rnd,
-                                            "arm": arm, "worker": "w1", "pid": 1})
-                        killed.touch()
-
-        def stop(self):
-            self.halt.set()
-            self.join(timeout=5)
-
-    monkeypatch.setattr(runner, "WorkerKiller", Injector)
+    monkeypatch.setattr(runner, "WorkerKiller", _MarkerInjector(out))
     plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path), out=out, rounds=2,
                            kill_every_s=1.0)
     summary, code = runner.run_soak(plan)
     assert code == 0, summary["gate"]
-    assert summary["faults"] == {"kills": 2, "kills_after_end": 2, "recoveries": 2,
-                                 "lost_requests": 0, "failed_rounds": 0}
+    assert summary["faults"] == {"kills": 2, "kills_unseen": 0, "kills_unknown": 0,
+                                 "kills_after_end": 2, "recoveries": 2, "lost_requests": 0,
+                                 "failed_rounds": 0}
     rounds = pd.read_parquet(out / "rounds.parquet")
     assert rounds.kills.tolist() == [1, 1] and rounds.kills_after_end.tolist() == [1, 1]
     assert rounds.kills.tolist() == rounds.recoveries.tolist()
     faults = pd.read_parquet(out / "faults.parquet")
     assert faults["round"].tolist() == [0, 0, 1, 1]
     assert faults.after_end.tolist() == [False, True, False, True]
+    assert faults.outcome.tolist() == ["found", "after_end"] * 2
     page = (out / "report.html").read_text()
-    assert "2 worker kills while a round's job ran, 2 recoveries, 0 lost requests; 2 more " \
-           "killed after their round's job had taken its last step" in page
+    assert "2 worker kills while a round's job ran (2 found dead by the job), 2 recoveries, " \
+           "0 lost requests; 2 more killed after their round's job had taken its last step" in page
     # a run with no steps_done_at (an older build, a crash): the run's end is the bound
     rounds = rounds.assign(steps_done_at=None)
     late = runner.classify_kills([{"time_s": rounds.end_s[0] - 1e-3, "round": 0, "arm": "A"},
@@ -448,3 +470,187 @@ def test_a_kill_after_the_rounds_last_step_is_no_kill_of_the_round(tmp_path, mon
                                   {"time_s": rounds.start_s[1] - 1e-3, "round": 1, "arm": "A"},
                                   {"time_s": rounds.start_s[0], "round": -1, "arm": ""}], rounds)
     assert [k["after_end"] for k in late] == [False, True, True, True]
+
+
+IDLE_KILL_GENERATE = SERVE_EVERY_LINE + """\
+# generate whose injector (the test's) kills a worker while the job steps, but on a worker
+# with nothing in flight: round 0's scheduler finds no death (worker_deaths 0); round 1
+# crashes (exit 1) before writing --stats, so nothing says what it found
+import json, os, sys, time
+out = sys.argv[sys.argv.index("--out") + 1]
+open(out + ".stepping", "w").close()
+while not os.path.exists(out + ".stepping.killed"):
+    time.sleep(0.01)
+serve(out)
+if "r001_" in out:
+    sys.exit(1)
+with open(sys.argv[sys.argv.index("--stats") + 1], "w") as f:
+    json.dump({"tokens": 2, "wall_s": 1.0, "worker_deaths": 0, "recoveries": 0,
+               "steps_done_at": time.time(), "workers": []}, f)
+"""
+
+
+def test_a_kill_the_job_never_found_is_classified_not_read_as_unrecovered(
+        tmp_path, monkeypatch, capsys):
+    """A worker killed while it had nothing in flight is never stepped again: the job finds
+    no death and nothing recovers. It counted as a plain kill (kills 1, recoveries 0, as a
+    kill the job failed to recover from) and the warning for a soak that tested no recovery
+    stayed silent. Now every kill has an outcome in faults.parquet: unseen (no death found),
+    unknown (its run crashed before recording its deaths), counted per round and in the
+    summary, said in the report; and the command warns that no kill was found dead."""
+    from cluster.cli import main
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, IDLE_KILL_GENERATE, "")
+    out = tmp_path / "soak"
+    monkeypatch.setattr(runner, "WorkerKiller", _MarkerInjector(out))
+    code = main(["soak", "--config", str(cfg), "--prompts", str(_prompts(tmp_path)),
+                 "--rounds", "2", "--out", str(out), "--kill-worker-every", "1s"])
+    assert code == 1  # (round 1 failed: it exited 1)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["faults"] == {"kills": 2, "kills_unseen": 1, "kills_unknown": 1,
+                           "kills_after_end": 0, "recoveries": 0, "lost_requests": 0,
+                           "failed_rounds": 1}
+    faults = pd.read_parquet(out / "faults.parquet")
+    assert faults.outcome.tolist() == ["unseen", "unknown"]
+    assert faults.after_end.tolist() == [False, False] and faults.pid.tolist() == [100, 101]
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.kills.tolist() == [1, 1] and rounds.kills_unseen.tolist() == [1, 0]
+    assert rounds.kills_unknown.tolist() == [0, 1]
+    assert rounds.worker_deaths[0] == 0 and pd.isna(rounds.worker_deaths[1])  # not recorded
+    page = (out / "report.html").read_text()
+    assert "2 worker kills while a round's job ran (0 found dead by the job; 1 of an idle " \
+           "worker" in page
+    assert "1 in rounds whose run recorded no count of the deaths it found" in page
+    err = capsys.readouterr().err
+    assert "killed no worker that a round's job found dead: of its kills, 1 killed an idle " \
+           "worker that the job never stepped again, 1 landed in rounds whose run recorded " \
+           "no deaths count, which tests no recovery" in err
+
+
+def test_kills_are_found_in_time_order_up_to_the_rounds_deaths():
+    """The job counts its deaths, not which worker each was: a round's first kills are the
+    found ones, the rest unseen; a kill before the first round or past the steps is late."""
+    rounds = pd.DataFrame({"round": [0, 1], "arm": ["A", "A"], "start_s": [10.0, 20.0],
+                           "end_s": [19.0, 29.0], "steps_done_at": [18.0, None],
+                           "worker_deaths": [1, 3]})
+    kills = [{"time_s": t, "round": r, "arm": "A"} for t, r in
+             ((15.0, 0), (11.0, 0), (18.5, 0), (5.0, -1), (21.0, 1), (28.9, 1))]
+    got = [(k["time_s"], k["outcome"]) for k in runner.classify_kills(kills, rounds)]
+    assert got == [(15.0, "unseen"), (11.0, "found"), (18.5, "after_end"), (5.0, "after_end"),
+                   (21.0, "found"), (28.9, "found")]  # (in the order given)
+
+
+def _other_build(tmp_path, *edits):
+    """A second checkout of this code (a copy of the tree) whose cluster/config.py has
+    `edits` applied: (old, new) text replacements, each of which must apply."""
+    import shutil
+    from cluster.config import REPO_ROOT
+    build = tmp_path / "newer"
+    for pkg in ("cluster", "kernels", "workers", "kvstore"):
+        shutil.copytree(REPO_ROOT / pkg, build / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    conf = build / "cluster" / "config.py"
+    text = conf.read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    conf.write_text(text)
+    return build
+
+
+def test_an_arms_job_config_is_validated_by_its_own_checkout(tmp_path, caplog):
+    """Arm B's job config was validated with THIS checkout's schema: a setting that only
+    B's newer build knows was refused (B could not be soaked), and one that B's build
+    refuses was accepted (every round then failed on it). B's own code checks it now, and
+    B's job temperature, which parity decides greedy lines by, is its build's default."""
+    build = _other_build(
+        tmp_path,
+        ("    slots: int = Field(8, ge=1)\n",
+         "    slots: int = Field(8, ge=1, le=4)\n    spec_decode_draft: int = Field(0, ge=0)\n"),
+        ("    temperature: float = Field(0.0,", "    temperature: float = Field(0.7,"))
+    new = tmp_path / "B.yaml"
+    new.write_text("kv: kv8\nspec_decode_draft: 2\nsoak:\n  working_dir: newer\n")
+    arm = load_arm(new, "B")
+    assert arm.working_dir == build.resolve() and arm.temperature == 0.7
+    assert arm.checked_by == f"its own checkout {build.resolve()}"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    too_many = tmp_path / "B2.yaml"  # fine here (slots >= 1), refused by the build that runs it
+    too_many.write_text("slots: 6\nsoak:\n  working_dir: newer\n")
+    with pytest.raises(UsageError, match=r"^--vs: the job config is refused by soak\.working_dir "
+                       r".*newer's own code: .*B2\.yaml: slots: Input should be less than or "
+                       r"equal to 4 \(got 6\)$"):
+        load_arm(too_many, "B")
+    here = tmp_path / "here.yaml"  # the same setting for this checkout's code: refused
+    here.write_text("spec_decode_draft: 2\n")
+    with pytest.raises(UsageError, match=r"here\.yaml: spec_decode_draft: Extra inputs"):
+        load_arm(here, "B")
+
+
+def test_an_arm_whose_checkout_cannot_check_its_config_falls_back_visibly(tmp_path, caplog):
+    from cluster.config import REPO_ROOT
+    """A checkout whose `cluster` is no package (no __init__.py: python imports another
+    install's, e.g. an editable one's) cannot say, nor one whose code does not import: the
+    soak warns, naming the arm and why, and checks the config with this checkout's schema."""
+    build = tmp_path / "broken"
+    (build / "cluster").mkdir(parents=True)
+    (build / "cluster" / "__main__.py").write_text("")
+    cfg = tmp_path / "B.yaml"
+    cfg.write_text("kv: kv8\nsoak:\n  working_dir: broken\n")
+    arm = load_arm(cfg, "B")
+    assert arm.checked_by.startswith("this checkout ") and "not that checkout's" in arm.checked_by
+    (build / "cluster" / "__init__.py").write_text("")
+    (build / "cluster" / "config.py").write_text("raise ImportError('needs pydantic 9')\n")
+    caplog.clear()
+    arm = load_arm(cfg, "B")
+    assert arm.checked_by == (f"this checkout {REPO_ROOT} (its own checkout {build} could not: "
+                              "ImportError: needs pydantic 9)")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith(f"--vs {cfg}: cannot validate its job "
+                                                     f"config with soak.working_dir {build}")
+    cfg.write_text("kv: kv9\nsoak:\n  working_dir: broken\n")  # this checkout still refuses
+    with pytest.raises(UsageError, match=r"B\.yaml: kv: .*kv9"):
+        load_arm(cfg, "B")
+    cfg.write_text("soak:\n  working_dir: ~/no-such-kvfleet-checkout\n")
+    with pytest.raises(UsageError, match=r"soak\.working_dir /.*/no-such-kvfleet-checkout is "
+                       r"not a kvfleet checkout \(no such directory\)"):
+        load_arm(cfg, "B")
+
+
+CONFIG_READING_GENERATE = SERVE_EVERY_LINE + """\
+# generate that reads its --config as the real one does (relative to its cwd: the arm's
+# checkout) and exits 2 where it cannot, else serves every line
+import sys
+from pathlib import Path
+if not Path(sys.argv[sys.argv.index("--config") + 1]).is_file():
+    sys.exit(2)
+serve(sys.argv[sys.argv.index("--out") + 1])
+"""
+
+
+def test_a_relative_out_works_for_an_arm_in_another_checkout(tmp_path, monkeypatch):
+    """`--out soak` (relative to the operator's cwd) handed the round its job config as
+    soak/rounds/A.job.yaml, which the round, running in the arm's checkout, read relative to
+    that checkout: no such file, exit 2, every round failed."""
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, CONFIG_READING_GENERATE, "")
+    monkeypatch.chdir(tmp_path)
+    plan = runner.SoakPlan(arms=[load_arm(cfg)], prompts=_prompts(tmp_path),
+                           out=runner.Path("soak"), rounds=1)
+    summary, code = runner.run_soak(plan)
+    assert summary["failed_rounds"] == [] and code == 0, summary["gate"]
+    assert (tmp_path / "soak" / "rounds" / "A.job.yaml").is_file()
+
+
+def test_the_round_timeout_is_a_flag(tmp_path, monkeypatch, capsys):
+    """A round's limit was fixed at 30 minutes: a build whose rounds rightly take longer
+    timed out every round, one that hangs held the soak 30 minutes a round. --round-timeout
+    sets it (a bad value names the flag)."""
+    from cluster.cli import main
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, "import time\ntime.sleep(60)\n", "")
+    args = ["soak", "--config", str(cfg), "--prompts", str(_prompts(tmp_path)), "--rounds", "1"]
+    assert main(args + ["--out", str(tmp_path / "bad"), "--round-timeout", "0"]) == 2
+    assert "--round-timeout '0': give a positive duration" in capsys.readouterr().err
+    t0 = runner.time.monotonic()
+    assert main(args + ["--out", str(tmp_path / "soak"), "--round-timeout", "1.5s"]) == 1
+    assert runner.time.monotonic() - t0 < 30
+    s = json.loads((tmp_path / "soak" / "summary.json").read_text())
+    assert s["failed_rounds"] == [{"round": 0, "arm": "A", "returncode": "timeout",
+                                   "runtime_errors": 0}]
+    assert s["faults"]["lost_requests"] == 4
