@@ -16,7 +16,8 @@
 Errors name the file and the field path: "fleet.yaml: nodes.1.memory: ...".
 
 `plan_fleet` is the one way to plan a fleet: `kvfleet plan` and the generate job's placement
-(cluster/placement.py) both call it, so the same fleet fits in both or in neither.
+(cluster/placement.py) both call it, so the same fleet fits the job and `kvfleet plan
+--as-job` (loaded) or neither; the plain plan sizes it as the C engine would run it.
 """
 from __future__ import annotations
 
@@ -272,10 +273,11 @@ def plan_fleet(fleet: Fleet, fp: Footprint,
                slots: int | None = None, usage: np.ndarray | None = None,
                loaded: bool = False, block: int = planner.BLOCK) -> planner.Plan:
     """The budget plan of `fleet` for the model `fp`. tier / ctx / experts: None takes the
-    fleet file's `plan.*`; the shadow floor is always its `plan.shadow_floor_gb`. slots:
-    overrides every node's `slots`. loaded: cuda devices counted as a kvfleet job's workers
-    hold them (planner.plan). block: the KV pool's tokens per block (the job's block_size).
-    Raises FleetError or PlanError."""
+    fleet file's `plan.*`; the shadow floor is always its `plan.shadow_floor_gb` (loaded
+    plans set aside no shadow: planner.shadow_token_bytes). slots: overrides every node's
+    `slots`. loaded: cuda devices counted as a kvfleet job's workers hold them
+    (planner.plan). block: the KV pool's tokens per block (the job's block_size). Raises
+    FleetError or PlanError."""
     d = fleet.plan
     if tier is None and (why := fp.tier_error(d.kv)):
         raise FleetError(f"{fleet.source}: plan.kv: {why} ({fp.config.source})")

@@ -6,9 +6,10 @@ its node's `resources` (split over the node's devices) or, when the fleet gives 
 num_gpus=1 only together with those (Ray also counts Apple GPUs as GPUs). Without a fleet,
 `workers.count` cpu workers with `workers.resources` / `label_selector` as given.
 
-With a fleet, the devices are planned by cluster.fleet.plan_fleet as `kvfleet plan` plans
-them (the fleet's plan.shadow_floor_gb; the job's kv, max_context and block_size, in whose
-whole blocks its workers' pools hold each slot's context), with the experts in
+With a fleet, the devices are planned by cluster.fleet.plan_fleet as `kvfleet plan --as-job`
+plans them (the job's kv, max_context and block_size, in whose whole blocks its workers'
+pools hold each slot's context; no fp8 shadow, whatever the fleet's plan.shadow_floor_gb: a
+cuda worker's pool is on its GPU and takes host rows in once), with the experts in
 the format the job loads, workers.weights.EXPERT_FORMAT (bf16: the loader reads no int4 or
 fp8 experts), whatever the fleet's plan.experts says (a warning says when it differs), and
 with `loaded=True`: a cuda device's dense weights and pinned experts count the float32 its

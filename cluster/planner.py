@@ -1,8 +1,8 @@
 """The budget planner: what each device holds, and which routed experts it pins.
 
 Every device (one Ray worker) holds the dense weights, the KV pool of its slots, the DSA
-indexer rows of those slots, an fp8 shadow (CUDA only, see below) and as many routed
-experts as still fit; experts no device pins are served from host memory. Bytes are exact
+indexer rows of those slots, an fp8 shadow (CUDA only, C engine's plan only, see below) and
+as many routed experts as still fit; experts no device pins are served from host memory. Bytes are exact
 integers; "GB" in configs and output means 1e9 bytes (the C engine's table does the same).
 
     capacity = memory - reserve        (memory = the device's size, or its free memory for "auto")
@@ -31,12 +31,17 @@ it really has; cpu and metal devices are counted as above. `kvfleet plan` keeps 
 checkpoint's format everywhere (the C engine's table). The job's plan also counts the KV
 pool its workers allocate (KVPool.for_model / DevicePool): the main layers' rows, not the
 MTP layers' (it runs none; the C engine caches them), and no DSA indexer rows (a kvfleet job
-computes no indexer: workers/weights.py skips its tensors). Its shadow is projected as
-below, over the same layers.
+computes no indexer: workers/weights.py skips its tensors). It sets aside no shadow
+(`shadow_token_bytes`): a kvfleet cuda worker's KV pool is itself in device memory
+(kvstore/device_pool.py DevicePool), and rows made on the host (numpy rows, rows read from
+disk) are uploaded into it once, when written; there is no other device copy of them, so
+a shadow beside the pool would count the same rows twice (on GLM-5.2 at 64k tokens, 2.99 GB
+of an H200: 19 float32 experts it can pin).
 
-Shadow: the device copy of rows produced on the host (prefill on the host, rows read from
-disk), kept as fp8 (kv8 layout) whatever the pool tier. Projected for the worst case, every
-row of every slot: slots x ctx x cached layers x kv8 token bytes. (Here and in the pool,
+Shadow (`kvfleet plan`, the C engine's table): the device copy of rows produced on the host
+(prefill on the host, rows read from disk), kept as fp8 (kv8 layout) whatever the pool
+tier. Projected for the worst case, every row of every slot: slots x ctx x cached layers x
+kv8 token bytes. (Here and in the pool,
 ctx is counted in whole blocks, as the pool allocates them: KVPool.for_model gives each slot
 ceil(ctx / block_size) blocks of block_size tokens, so 2048 tokens in 1500-token blocks hold
 3000. The job's plan uses its block_size; `kvfleet plan`, BLOCK, the job's default, unless
@@ -266,6 +271,7 @@ class Plan:
     experts_even: bool = False  # an even share fitted every device: dealt out round-robin
     block: int = BLOCK  # tokens per pool block: each slot's ctx is counted in whole blocks
     loaded: bool = False  # planned as a kvfleet job holds it (plan's `loaded`)
+    shadow_floor: int = int(SHADOW_FLOOR_GB * GB)  # a cuda device this big gets a shadow (not loaded)
 
     @property
     def warnings(self) -> list[str]:
@@ -295,6 +301,11 @@ class Plan:
             "cached_layers": fp.cached_layers, "moe_layers": len(layers),
             # the layers whose KV the plan counts: a kvfleet job's pool has no MTP layer
             "kv_layers": fp.config.num_hidden_layers if self.loaded else fp.cached_layers,
+            # the shadow counted on cuda devices of at least the floor: the C engine's kv8
+            # copy of host rows over kv_layers; none (null) in a kvfleet job's plan, whose
+            # device pool takes those rows in itself (shadow_token_bytes)
+            "shadow_tier": None if self.loaded else SHADOW_TIER,
+            "shadow_floor_bytes": None if self.loaded else self.shadow_floor,
             # the experts planned (a job loads them); the MTP layers' are not
             "routed_experts": fp.run_experts, "mtp_experts": fp.routed_experts - fp.run_experts,
             "pinned_experts": int(sum(len(d.pinned) for d in self.devices)),
@@ -326,11 +337,19 @@ def token_bytes(fp: Footprint, tier: str | Tier, loaded: bool = False) -> tuple[
     return fp.kv_bytes_per_token(tier), fp.index_bytes_per_token
 
 
+def shadow_token_bytes(fp: Footprint, dev: DeviceBudget, floor: int, loaded: bool = False) -> int:
+    """Shadow bytes per token of one slot on `dev`: the C engine's kv8 copy of host rows over
+    its cached layers, on a cuda device of at least `floor` bytes; none with `loaded` (a
+    kvfleet cuda worker's pool is on the device and takes host rows in once, when written:
+    its kv_pool bytes are that copy, counted once)."""
+    return 0 if loaded or not dev.has_shadow(floor) else fp.kv_bytes_per_token(SHADOW_TIER)
+
+
 def _per_token(fp: Footprint, dev: DeviceBudget, tier: Tier, floor: int,
                loaded: bool = False) -> tuple[int, int, int]:
     """(kv, index, shadow) bytes per context token on this device, all its slots."""
     kv, index = token_bytes(fp, tier, loaded)
-    shadow = token_bytes(fp, SHADOW_TIER, loaded)[0] if dev.has_shadow(floor) else 0
+    shadow = shadow_token_bytes(fp, dev, floor, loaded)
     return dev.slots * kv, dev.slots * index, dev.slots * shadow
 
 
@@ -398,5 +417,5 @@ def plan(fp: Footprint, devices: Sequence[DeviceBudget], *, tier: str | Tier, ct
                     for t in report_tiers},
                    int(on_host[w].sum()) * expert_f32 + (dense_f32 if dev.kind == "cpu" else 0))
         for w, (dev, (dense, e), (kv, idx, sh)) in enumerate(zip(devices, sizes, fixed)))
-    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even, block, loaded)
+    return Plan(fp, tier, ctx, fmt, eb, plans, host, a.even, block, loaded, shadow_floor_bytes)
 

@@ -12,7 +12,10 @@ A fleet plan counts weights in the checkpoint's format (or `--experts`), as the 
 stores them. `--as-job` plans the fleet as `kvfleet generate` does instead (its placement,
 cluster/placement.py): bf16 experts, and on cuda devices the dense weights and pinned
 experts as the float32 arrays its CuPy workers upload, and the KV pool its workers
-allocate: the main layers' rows, no MTP layer's or DSA indexer rows (cluster/planner.py, loaded).
+allocate: the main layers' rows, no MTP layer's or DSA indexer rows, and no fp8 shadow beside
+it (their pool is on the GPU and takes host rows in once; cluster/planner.py, loaded). The
+plain plan sets the C engine's shadow aside on a cuda device of at least the fleet's
+plan.shadow_floor_gb; the table and JSON say which (shadow_tier, shadow_floor_bytes).
 A fleet plan counts each slot's context in whole KV pool blocks, as the job's pool holds it:
 --block-size tokens (the job's block_size), 16 by default.
 """
@@ -50,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", choices=sorted(WEIGHT_FORMATS), help="routed expert weight format")
     p.add_argument("--as-job", action="store_true",
                    help=f"plan as kvfleet generate runs the fleet: {EXPERT_FORMAT} experts, a cuda "
-                        "device's dense weights and pinned experts as float32 (what its workers upload)")
+                        "device's dense weights and pinned experts as float32 (what its workers upload), "
+                        "no fp8 shadow beside its workers' device pools")
     p.add_argument("--usage", type=Path, help="expert usage counts [MoE layers, experts] (.npy or .json; "
                    "rows of MTP layers, which kvfleet does not load, are ignored)")
     p.add_argument("--free-gb", action="append", default=[], metavar="DEVICE=GB",
@@ -282,6 +286,13 @@ def _table(d: dict) -> str:
             f"{v['name']:<22}{v['kind']:<6}{v['slots']:>5}{g(v['budget_bytes']):>9}{g(v['dense_bytes']):>8}"
             f"{g(v['kv_pool_bytes']):>8}{g(v['index_bytes']):>7}{g(v['shadow_bytes']):>7}"
             f"{v['pinned_experts']:>8}{g(v['pinned_expert_bytes']):>8}{g(v['free_bytes']):>8}  {ctxs}")
+    if any(v["kind"] == "cuda" for v in d["devices"]):
+        lines.append(
+            f"shadow: {d['shadow_tier']} rows of {d['kv_layers']} layers on cuda devices of at least "
+            f"{size(d['shadow_floor_bytes'])} (the C engine's device copy of rows made on the host)"
+            if d["shadow_tier"] else
+            "shadow: none (a kvfleet cuda worker's KV pool is on the GPU and takes rows made on the "
+            "host in once, when written: the kv column counts them)")
     how = "" if len(d["devices"]) < 2 else (
         "; dealt out evenly (an even share fits every device)" if d["experts_even"] else
         "; most room first (an even share does not fit every device)")

@@ -572,12 +572,68 @@ def test_the_jobs_plan_counts_the_kv_pool_its_workers_allocate(tier):
     assert cpu_job.max_ctx["kv8"] == room // (slots * 78 * fp.kv_token_bytes("kv8")) // block * block
 
 
-def test_the_jobs_shadow_is_projected_over_its_pools_layers():
-    """A cuda device above the shadow floor: the job's plan projects the kv8 shadow of the
-    layers its pool has (78 of GLM-5.2's), the C engine's plan of all 79."""
+def test_the_jobs_plan_sets_aside_no_shadow_beside_its_device_pool():
+    """A cuda device above the shadow floor: the C engine's plan sets aside its kv8 shadow of
+    all 79 layers (the device copy of rows made on the host); the job's plan none, at any
+    floor, since a kvfleet cuda worker's pool is on the device and takes those rows in once
+    (DevicePool): its KV is counted once, as the pool allocates it. It projected a kv8 shadow
+    of the pool's 78 layers on top, so GLM-5.2 at 64k tokens on an H200 pinned 380 float32
+    experts of the 399 that fit, and its longest contexts left room for that shadow too."""
+    from workers.weights import loaded_bytes
     fp = card("glm-5.2")
-    dev = [DeviceBudget("g0", "cuda", 141 * GB, reserve_bytes=4 * GB, slots=2)]
-    job = plan(fp, dev, tier="tq4", ctx=4096, loaded=True).devices[0]
-    engine = plan(fp, dev, tier="tq4", ctx=4096).devices[0]
-    assert job.shadow_bytes == 2 * 4096 * 78 * fp.kv_token_bytes("kv8")
-    assert engine.shadow_bytes == 2 * 4096 * 79 * fp.kv_token_bytes("kv8")
+    dense32, expert32 = loaded_bytes(fp.config)
+    h200 = DeviceBudget("h200/cuda0", "cuda", 141 * GB, reserve_bytes=4 * GB, slots=1)
+    pool = 65_536 * 78 * 584
+    for floor in (0, 32 * GB, 141 * GB):
+        p = plan(fp, [h200], tier="kv8", ctx=65_536, loaded=True, shadow_floor_bytes=floor)
+        [d] = p.devices
+        assert (d.shadow_bytes, d.index_bytes, d.kv_pool_bytes, d.dense_bytes) == (0, 0, pool, dense32)
+        assert len(d.pinned) == (137 * GB - dense32 - pool) // expert32 == 399
+        assert d.pinned_bytes == 399 * expert32 and 0 <= d.free_bytes < expert32
+        assert d.used_bytes == dense32 + pool + 399 * expert32
+        assert d.max_ctx["kv8"] == (137 * GB - dense32) // (78 * 584) // BLOCK * BLOCK == 1_391_408
+        assert (p.to_dict()["shadow_tier"], p.to_dict()["shadow_floor_bytes"]) == (None, None)
+    engine = plan(fp, [h200], tier="kv8", ctx=65_536, experts="bf16")
+    assert engine.devices[0].shadow_bytes == engine.devices[0].kv_pool_bytes == 65_536 * 79 * 584
+    assert (engine.to_dict()["shadow_tier"], engine.to_dict()["shadow_floor_bytes"]) == ("kv8", 32 * GB)
+    small = plan(fp, [DeviceBudget("g", "cuda", 141 * GB, 4 * GB)], tier="kv8", ctx=64,
+                 shadow_floor_bytes=200 * GB)  # (no device reaches this floor: none counted)
+    assert small.devices[0].shadow_bytes == 0 and small.to_dict()["shadow_floor_bytes"] == 200 * GB
+
+
+def test_random_job_plans_count_each_devices_kv_once():
+    """Random fleets planned as the job (loaded), floors from 0 (every cuda device above it):
+    each device's KV, indexer and shadow bytes together are exactly what its worker's pool
+    allocates (KVPool.for_model, whose planes DevicePool puts on the GPU: no other KV buffer),
+    nothing beside it; the C engine's plan of the same fleet does count a shadow on a cuda
+    device above the floor (the check can fail)."""
+    from kvstore.pool import KVPool
+    rng = np.random.default_rng(20260707)
+    planned = shadowed = 0
+    for case in range(200):
+        fp = random_model(rng)
+        devs = [DeviceBudget(f"n{case}/d{i}", str(rng.choice(["cuda", "cuda", "cpu", "metal"])),
+                             int(rng.integers(1, 60) * 10**6), int(rng.integers(0, 3) * 10**6),
+                             slots=int(rng.integers(1, 5))) for i in range(int(rng.integers(1, 5)))]
+        tier, ctx, block = str(rng.choice(["f32", "kv8", "tq4", "polar3"])), int(rng.integers(1, 300)), int(rng.choice([1, 16, 48]))
+        floor = int(rng.choice([0, rng.integers(1, 60) * 10**6]))
+        try:
+            p = plan(fp, devs, tier=tier, ctx=ctx, loaded=True, block=block, shadow_floor_bytes=floor)
+        except PlanError:
+            continue
+        planned += 1
+        for d in p.devices:
+            pool = KVPool.for_model(fp.config, tier, d.device.slots, ctx, block_size=block)
+            assert d.kv_pool_bytes + d.index_bytes + d.shadow_bytes == pool.bytes_capacity()
+            assert d.used_bytes == d.dense_bytes + pool.bytes_capacity() + d.pinned_bytes <= d.device.capacity
+        assert p.to_dict()["shadow_tier"] is None
+        try:
+            engine = plan(fp, devs, tier=tier, ctx=ctx, block=block, shadow_floor_bytes=floor, experts="bf16")
+        except PlanError:  # (its shadow, indexer and MTP rows may not fit where the job's pool does)
+            continue
+        for d in engine.devices:
+            above = d.device.kind == "cuda" and d.device.memory_bytes >= floor
+            held = -(-ctx // block) * block
+            assert d.shadow_bytes == (d.device.slots * held * fp.kv_bytes_per_token("kv8") if above else 0)
+            shadowed += d.shadow_bytes > 0
+    assert planned > 40 and shadowed > 20
