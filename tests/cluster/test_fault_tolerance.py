@@ -42,17 +42,24 @@ def ray_cluster():
     stop_cluster(c, ray)
 
 
-@pytest.mark.slow
-def test_killed_worker_loses_no_request(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
-    ray = ray_cluster
+def start_job(tiny, prompts, tmp_path):
+    """(thread, box, out): the generate job on the three-node fleet, experts sharded, running
+    in a thread; box["s"] gets its Summary."""
     fleet = fleet_yaml(tmp_path / "fleet.yaml", slots=(3, 2, 1))
     cfg = config(tiny, workers={"fleet": str(fleet), "experts": "sharded", "num_cpus": 1})
     out = tmp_path / "out.parquet"
-    parts = tmp_path / "out.parquet.parts"
-    caplog.set_level(logging.INFO)
     box: dict = {}
     job = threading.Thread(target=lambda: box.update(s=run_generate(cfg, prompts, out, progress=False)))
     job.start()
+    return job, box, out
+
+
+@pytest.mark.slow
+def test_killed_worker_loses_no_request(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
+    ray = ray_cluster
+    caplog.set_level(logging.INFO)
+    job, box, out = start_job(tiny, prompts, tmp_path)
+    parts = tmp_path / "out.parquet.parts"
     victim = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.is_alive():
@@ -127,13 +134,8 @@ def test_a_worker_killed_while_loading_counts_in_the_jobs_stats(tiny, prompts, r
     worker's completions) and its stats, what --stats writes and the soak reads, count the
     death and the recovery (they counted none: the soak called the kill "unseen")."""
     ray = ray_cluster
-    fleet = fleet_yaml(tmp_path / "fleet.yaml", slots=(3, 2, 1))
-    cfg = config(tiny, workers={"fleet": str(fleet), "experts": "sharded", "num_cpus": 1})
-    out = tmp_path / "out.parquet"
     caplog.set_level(logging.INFO)
-    box: dict = {}
-    job = threading.Thread(target=lambda: box.update(s=run_generate(cfg, prompts, out, progress=False)))
-    job.start()
+    job, box, out = start_job(tiny, prompts, tmp_path)
     victim = None
     deadline = time.monotonic() + 120
     while victim is None and time.monotonic() < deadline and job.is_alive():
