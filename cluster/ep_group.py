@@ -87,11 +87,11 @@ class ShardedGroup:
             if i is not None:
                 log.info("worker %s: %s on %s pid %s, %d slots, %d routed experts", i["name"],
                          i["device"], i["host"], i["pid"], i["slots"], i["experts"])
-        lost = [i for i, info in enumerate(self.info) if info is None]
-        if lost:  # before the first step: the survivors take the experts, the slots are gone
-            for _ in lost:  # (deaths the scheduler never sees: counted here, none requeued)
-                self.metrics.worker_died(0)
-            self._recover(lost)
+        # before the first step: the survivors take the experts, the slots are gone; the
+        # scheduler counts these deaths (no step of its finds them)
+        self.dead_at_start = [i for i, info in enumerate(self.info) if info is None]
+        if self.dead_at_start:
+            self._recover(self.dead_at_start)
 
     # -- steps ----------------------------------------------------------------------------
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:

@@ -78,7 +78,9 @@ class SchedulerStats:
     decode_forward_s: float = 0.0
     decode_driver_s: float = 0.0  # the scheduler's own Python: admission, batches, results
     decode_tokens: int = 0  # of `tokens`, those sampled in decode steps
-    worker_deaths: int = 0  # workers found dead (the soak's "kills")
+    # workers found dead (the soak's "kills"), each once: in a step, or by the group while
+    # they were still loading (WorkerGroup.dead_at_start)
+    worker_deaths: int = 0
     recoveries: int = 0  # deaths after which the job went on with live workers
     requeued: int = 0  # sequences re-run from their prompts after their worker died
     # tokens those sequences had sampled, lost with the dead worker's KV: the work redone
@@ -129,6 +131,12 @@ class Scheduler:
         self._dead: set[int] = set()
         self._results: list[Result] = []  # this iteration's, handed out once released
         self._ttft_lines: set[int] = set()  # requests whose first token the histogram has
+        # the ones that died while loading: the group has recovered from them already (no
+        # slots; the sharded group moved their experts) and never steps them, so no step
+        # finds them: counted here, as a step's deaths are, nothing to re-queue
+        self._dead |= set(group.dead_at_start)
+        for w in group.dead_at_start:
+            self._count_death(w, requeued=0, lost_tokens=0)
 
     def run(self, items: Iterable[Prepared], on_result: Callable[[Result], None],
             should_stop: Callable[[], bool] = lambda: False) -> SchedulerStats:
@@ -191,8 +199,7 @@ class Scheduler:
         raised fails only the sequences of that step, and their slots are released."""
         dead = {w for w, exc in failed.items() if self.group.is_dead(w, exc)}
         self._dead |= dead  # all of this step's deaths before any counts as recovered
-        live = any(c > 0 for i, c in enumerate(self.group.capacities)
-                   if i not in self._dead)  # (a live one with slots)
+        live = self._live()
         for w, exc in failed.items():
             stepped = set(batches[w].keys.tolist()) if w in batches else set()
             mine = [s for s in active if s.worker == w and (w in dead or s.key in stepped)]
@@ -205,15 +212,11 @@ class Scheduler:
                             self.group.names[w], exc, len(mine), [s.item.req.id for s in mine])
                 lost = sum(len(s.out) for s in mine)  # (a running sequence's out: all it sampled)
                 st = self.stats
-                st.worker_deaths += 1
-                st.recoveries += live
-                # (re-run only where a worker is left: else they fail below, not re-run)
-                st.requeued += len(mine) if live else 0
                 st.tokens -= lost
                 st.decode_tokens -= sum(s.decode_sampled for s in mine)
                 st.rerun_tokens += lost
-                self.metrics.worker_died(len(mine) if live else 0, lost)
-                self.metrics.forget(self.group.names[w])  # (its gauges age out, as it did)
+                # (re-run only where a worker is left: else they fail below, not re-run)
+                self._count_death(w, requeued=len(mine) if live else 0, lost_tokens=lost)
                 for s in reversed(mine):
                     waiting.appendleft(s.item)
             else:
@@ -224,6 +227,20 @@ class Scheduler:
                     self._free_slot(s, discard=True)
         if len(self._dead) == len(self.group.names):
             self._fail_all(waiting)
+
+    def _live(self) -> bool:
+        """Whether a worker not found dead has slots (the job can go on)."""
+        return any(c > 0 for i, c in enumerate(self.group.capacities) if i not in self._dead)
+
+    def _count_death(self, w: int, requeued: int, lost_tokens: int) -> None:
+        """Worker w found dead (self._dead has it and this step's other deaths): the stats
+        and metrics count it, and a recovery where a live worker with slots is left."""
+        st = self.stats
+        st.worker_deaths += 1
+        st.recoveries += self._live()
+        st.requeued += requeued
+        self.metrics.worker_died(requeued, lost_tokens)
+        self.metrics.forget(self.group.names[w])  # (its gauges age out, as it did)
 
     def _fail_all(self, waiting: deque) -> None:
         log.error("no live worker left; %d requests fail", len(waiting))

@@ -181,9 +181,12 @@ class WorkerGroup(Protocol):
     """What the scheduler drives: named workers with slot capacities, stepped in lockstep.
     `step_all` returns, per worker, its StepOutput or the exception its step raised;
     `is_dead` says whether that exception means the worker is gone for good; `worker_stats`
-    returns the stats() dict of each live worker (the scheduler's expert gauges read them)."""
+    returns the stats() dict of each live worker (the scheduler's expert gauges read them).
+    `dead_at_start`: the workers that died while loading, before any step; the group has
+    recovered from them (capacity 0, never stepped) and the scheduler counts their deaths."""
     names: list[str]
     capacities: list[int]
+    dead_at_start: list[int]
 
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]: ...
 
@@ -217,6 +220,7 @@ class LocalGroup:
         self.workers = workers
         self.names = [w.spec.name for w in workers]
         self.capacities = [w.spec.slots for w in workers]
+        self.dead_at_start: list[int] = []  # (an in-process worker cannot die apart from the job)
 
     def worker_stats(self) -> list[dict]:
         return [w.stats() for w in self.workers]
@@ -275,11 +279,16 @@ class RayGroup:
                                    f"does a node offer what they ask for? "
                                    f"{[opts for _, opts in placements]}") from None
             except ray.exceptions.RayActorError as e:
-                # died while loading: its first step fails and the scheduler re-queues there
                 log.warning("worker %s died while starting: %s", name, str(e).splitlines()[0])
                 self.info.append(None)
         if all(i is None for i in self.info):
             raise RuntimeError(f"all {len(self.actors)} worker actors died while starting")
+        # died while loading: given no slots, so never stepped (a step would fail and re-queue
+        # its sequences, or, given none, never find the death); the scheduler counts them
+        self.dead_at_start = [i for i, info in enumerate(self.info) if info is None]
+        for i in self.dead_at_start:
+            self.capacities[i] = 0
+            self.dead.add(i)
 
     def step_all(self, batches: dict[int, StepBatch]) -> dict[int, StepOutput | Exception]:
         import ray

@@ -8,6 +8,7 @@ import io
 import json
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -44,7 +45,10 @@ def _over_time(rounds: pd.DataFrame, metrics: list[tuple[str, str]], title: str)
     return _png(fig)
 
 
-def _ratios(rounds: pd.DataFrame, metrics: list[str]) -> str | None:
+def _ratios(rounds: pd.DataFrame, metrics: list[str]) -> tuple[str, dict] | None:
+    """The histogram of each metric's per-round B/A ratios, and per metric (ratios left out,
+    round pairs): a pair whose ratio is not finite (A's value 0, or either value missing) is
+    left out, as the summary's ratios leave it out (summary._stats)."""
     done = completed(rounds)  # pairs of completed rounds, as the summary's ratios
     a = done[done.arm == "A"].set_index("round")
     b = done[done.arm == "B"].set_index("round")
@@ -52,13 +56,22 @@ def _ratios(rounds: pd.DataFrame, metrics: list[str]) -> str | None:
     if common.empty:
         return None
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3))
+    left_out = {}
     for ax, m in zip(axes, metrics):
-        r = (b.loc[common, m].astype(float) / a.loc[common, m].astype(float)).dropna()
-        ax.hist(r, bins=max(3, min(20, len(r))), color="#7f7f7f")
-        ax.axvline(1.0, color="k", lw=1)
-        ax.set_title(f"{m} B/A")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = (pd.to_numeric(b.loc[common, m], errors="coerce")
+                 / pd.to_numeric(a.loc[common, m], errors="coerce")).to_numpy(np.float64)
+        r = r[np.isfinite(r)]
+        left_out[m] = (len(common) - len(r), len(common))
+        if len(r):
+            ax.hist(r, bins=max(3, min(20, len(r))), color="#7f7f7f")
+            ax.axvline(1.0, color="k", lw=1)
+        else:
+            ax.text(0.5, 0.5, "no finite ratio", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(f"{m} B/A" + (f" ({left_out[m][0]} of {len(common)} left out)"
+                                   if left_out[m][0] else ""))
     fig.suptitle("per-round ratio distributions", y=1.04)
-    return _png(fig)
+    return _png(fig), left_out
 
 
 def _faults(rounds: pd.DataFrame, faults: pd.DataFrame) -> str:
@@ -169,10 +182,16 @@ def _img(b64: str | None, alt: str) -> str:
 def _ratio_plot(rounds: pd.DataFrame) -> str:
     if "B" not in set(rounds.arm):
         return ""
-    b64 = _ratios(rounds, ["throughput_tok_s", "ttft_median_s", "decode_tok_s_median"])
-    if b64 is None:
+    drawn = _ratios(rounds, ["throughput_tok_s", "ttft_median_s", "decode_tok_s_median"])
+    if drawn is None:
         return "<p>no B/A ratios: no round had both its A and its B run completed</p>"
-    return _img(b64, "ratio distributions")
+    b64, left_out = drawn
+    out = {m: n for m, (n, _) in left_out.items() if n}
+    pairs = next(iter(left_out.values()))[1]
+    note = (f"<p>B/A ratios left out of the {pairs} round pairs (not finite: A's value 0, or "
+            "a value missing; the summary leaves them out too): "
+            + ", ".join(f"{m} {n}" for m, n in out.items()) + "</p>") if out else ""
+    return _img(b64, "ratio distributions") + note
 
 
 def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame,

@@ -42,17 +42,24 @@ def ray_cluster():
     stop_cluster(c, ray)
 
 
-@pytest.mark.slow
-def test_killed_worker_loses_no_request(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
-    ray = ray_cluster
+def start_job(tiny, prompts, tmp_path):
+    """(thread, box, out): the generate job on the three-node fleet, experts sharded, running
+    in a thread; box["s"] gets its Summary."""
     fleet = fleet_yaml(tmp_path / "fleet.yaml", slots=(3, 2, 1))
     cfg = config(tiny, workers={"fleet": str(fleet), "experts": "sharded", "num_cpus": 1})
     out = tmp_path / "out.parquet"
-    parts = tmp_path / "out.parquet.parts"
-    caplog.set_level(logging.INFO)
     box: dict = {}
     job = threading.Thread(target=lambda: box.update(s=run_generate(cfg, prompts, out, progress=False)))
     job.start()
+    return job, box, out
+
+
+@pytest.mark.slow
+def test_killed_worker_loses_no_request(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
+    ray = ray_cluster
+    caplog.set_level(logging.INFO)
+    job, box, out = start_job(tiny, prompts, tmp_path)
+    parts = tmp_path / "out.parquet.parts"
     victim = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.is_alive():
@@ -84,7 +91,9 @@ def test_killed_worker_loses_no_request(tiny, prompts, reference, ray_cluster, t
 @pytest.mark.slow
 def test_worker_that_dies_while_starting(tiny, prompts, reference, ray_cluster, tmp_path, caplog):
     """A worker whose model load fails (its actor dies before the first step): the others
-    take its experts at once and serve everything."""
+    take its experts at once and serve everything, and the job's stats count the death and
+    the recovery, once (its metrics counted it, the stats did not: the soak took the kill for
+    one of an idle worker, never found)."""
     from dataclasses import replace
     from cluster.ep_group import ShardedGroup
     from cluster.placement import fleet_placements
@@ -104,14 +113,49 @@ def test_worker_that_dies_while_starting(tiny, prompts, reference, ray_cluster, 
         tok, mcfg = Tokenizer.from_dir(tiny), ModelConfig.from_file(tiny / "config.json")
         items = [_prepare(r, cfg, tok, mcfg.vocab_size) for r in read_requests(prompts)][:8]
         got = []
-        Scheduler(group, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
-                  eos_ids=_eos(tok, mcfg), decode=tok.decode, tier=cfg.kv).run(items, got.append)
+        stats = Scheduler(group, max_context=cfg.max_context, prefill_chunk=cfg.prefill_chunk,
+                          eos_ids=_eos(tok, mcfg), decode=tok.decode, tier=cfg.kv,
+                          metrics=group.metrics).run(items, got.append)
+        assert (stats.worker_deaths, stats.recoveries, stats.requeued) == (1, 1, 0)
+        assert group.metrics.local["worker_deaths"] == 1  # once, not by the group and again
         assert len(got) == 8 and {r.worker for r in got} == {"cuda-a/cuda0", "mac/metal0"}
         for r in got:
             assert r.error is None and r.completion_tokens == reference[r.id]["completion_tokens"]
         assert sum(s["expert_pins"] for s in group.worker_stats()) == 16
     finally:
         group.close()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_loading_counts_in_the_jobs_stats(tiny, prompts, reference,
+                                                                 ray_cluster, tmp_path, caplog):
+    """ray.kill of a worker while the job is still loading the model (as the soak's injector
+    kills one): the job recovers (its experts move, every id comes out once with the single
+    worker's completions) and its stats, what --stats writes and the soak reads, count the
+    death and the recovery (they counted none: the soak called the kill "unseen")."""
+    ray = ray_cluster
+    caplog.set_level(logging.INFO)
+    job, box, out = start_job(tiny, prompts, tmp_path)
+    victim = None
+    deadline = time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline and job.is_alive():
+        victim = next((n for n in ray.util.list_named_actors()  # as soon as it is created
+                       if n.endswith(VICTIM.replace("/", "."))), None)
+        if victim is None:
+            time.sleep(0.01)
+    assert victim is not None
+    ray.kill(ray.get_actor(victim))
+    job.join(timeout=180)
+    assert not job.is_alive()
+    assert f"worker {VICTIM} died while starting" in caplog.text  # the kill landed in the load
+    s = box["s"]
+    assert (s.stats.worker_deaths, s.stats.recoveries, s.stats.requeued) == (1, 1, 0)
+    rows = rows_by_id(out)
+    assert sorted(pq.read_table(out).column("id").to_pylist()) == sorted(reference)
+    for k, r in reference.items():
+        assert rows[k]["error"] is None and rows[k]["completion_tokens"] == r["completion_tokens"], k
+    assert {r["worker"] for r in rows.values()} <= {"cuda-a/cuda0", "mac/metal0"}
+    assert sum(w["expert_pins"] for w in s.workers) == 16  # the survivors hold every expert
 
 
 def requeued_ids(caplog) -> set[str]:

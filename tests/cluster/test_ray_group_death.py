@@ -106,3 +106,29 @@ def test_a_killed_workers_rerun_tokens_count_once_and_the_gauges_skip_it(ray, ti
     assert any("worker b" in r.getMessage() and "stats" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING), caplog.text
     assert [s["name"] for s in group.final_stats] == ["a"]  # the survivor's, at close
+
+
+def test_a_worker_dead_while_loading_counts_once_and_gets_no_sequence(ray, tiny, tmp_path):
+    """RayGroup (replicated experts) with worker b's model load failing (its actor dies
+    before the first step), as ShardedGroup: b gets no slots, so no sequence is sent to die
+    there and be re-run, and the job's stats and metrics count its death and the recovery,
+    once. It kept its slots: the first step's sequences there failed and were re-queued, and
+    a job whose sequences all went to a (its lower index wins a tie) counted no death at all."""
+    tok = Tokenizer.from_dir(tiny)
+    group = RayGroup([(WorkerSpec("a", str(tiny), "f32", 3, 96), {"num_cpus": 0.5}),
+                      (WorkerSpec("b", str(tmp_path / "no-such-model"), "f32", 3, 96),
+                       {"num_cpus": 0.5})])
+    try:
+        assert group.info[1] is None and group.dead_at_start == [1] and group.capacities == [3, 0]
+        for n in (1, N):  # one request: a takes it by index; N: more than a's slots
+            m, results = JobMetrics(use_ray=False), []
+            stats = Scheduler(group, max_context=96, prefill_chunk=32, eos_ids=tok.eos_ids,
+                              decode=tok.decode, tier="f32", metrics=m).run(items()[:n],
+                                                                             results.append)
+            assert len(results) == n and not any(r.error for r in results)
+            assert {r.worker for r in results} == {"a"}
+            assert (stats.worker_deaths, stats.recoveries, stats.requeued) == (1, 1, 0), n
+            assert m.local["worker_deaths"] == 1 and m.local["requests_requeued"] == 0
+        assert [s["name"] for s in group.worker_stats()] == ["a"]  # b's not asked for
+    finally:
+        group.close()

@@ -364,7 +364,7 @@ def test_row_decode_rate_ignores_the_eos_token():
     clock, script = Clock(), iter([5, 6, 7, EOS])
 
     class Scripted:
-        names, capacities = ["w0"], [1]
+        names, capacities, dead_at_start = ["w0"], [1], []
 
         def step_all(self, batches):
             clock.t += 1.0
@@ -382,21 +382,46 @@ def test_row_decode_rate_ignores_the_eos_token():
 
 
 def test_no_live_slot_left_fails_the_waiting_requests():
-    """Worker 1 died while starting (the group set its capacity to 0, the scheduler never saw
-    it die) and worker 0 dies mid-job: its requests and the rest come out as error rows
-    (they were dropped without a result) and no recovery is counted."""
+    """Worker 1 died while starting (the group set its capacity to 0 and lists it in
+    dead_at_start) and worker 0 dies mid-job: its requests and the rest come out as error rows
+    (they were dropped without a result); both deaths count, a recovery only the first (worker
+    0 was left to go on with)."""
     items = [prep(i, p, seed=i) for i, p in enumerate(prompts())]
     base = make_group([3, 3])
-    base.capacities[1] = 0
     group = FailingGroup(base.workers, victim=0, at=4, dies=True)
-    group.capacities = base.capacities
+    group.capacities[1], group.dead_at_start = 0, [1]
     results = []
     stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
                       tier="f32").run(items, results.append)
     assert sorted(r.id for r in results) == sorted(it.req.id for it in items)
     failed = [r for r in results if r.finish_reason == "error"]
     assert failed and all(r.error == "no live worker left" for r in failed)
-    assert stats.worker_deaths == 1 and stats.recoveries == 0
+    assert stats.worker_deaths == 2 and stats.recoveries == 1
+
+
+@pytest.mark.parametrize("requests", [1, 16])
+def test_deaths_while_loading_count_once_with_those_of_steps(requests):
+    """Workers the group found dead while loading (dead_at_start: no slots, never stepped;
+    cluster/ep_group.py moved their experts) count in the stats and metrics as a step's
+    deaths do, once each, with a recovery each where a live worker is left, and nothing
+    re-queued; a later death in a step counts on top. They counted nowhere: the soak took
+    such a kill for one of an idle worker, never found (runner.classify_kills "unseen")."""
+    items = [prep(i, p, seed=i) for i, p in enumerate(prompts())][:requests]
+    ref, _ = run(make_group([8]), items)
+    base = make_group([2, 3, 4, 3])
+    group = FailingGroup(base.workers, victim=3, at=3, dies=True)
+    group.capacities[0] = group.capacities[2] = 0
+    group.dead_at_start = [0, 2]
+    m, results = JobMetrics(use_ray=False), []
+    stats = Scheduler(group, max_context=MAX_CTX, prefill_chunk=7, eos_ids=[EOS], decode=decode,
+                      tier="f32", metrics=m).run(items, results.append)
+    assert {r.id: r.completion_tokens for r in results} == {k: r.completion_tokens
+                                                           for k, r in ref.items()}
+    assert not any(r.error for r in results) and {r.worker for r in results} <= {"w1", "w3"}
+    step_death = 1 if requests > 3 else 0  # (w3 gets a sequence only past w1's free share)
+    assert stats.worker_deaths == 2 + step_death == m.local["worker_deaths"]
+    assert stats.recoveries == 2 + step_death
+    assert (stats.requeued > 0) == bool(step_death) and stats.requeued == m.local["requests_requeued"]
 
 
 def test_workers_dying_in_one_step_count_no_recovery_when_none_is_left():

@@ -1,4 +1,5 @@
 """The soak report renders in a real headless browser: no errors, every plot decoded."""
+import json
 import re
 
 import numpy as np
@@ -107,3 +108,79 @@ def test_report_says_sampled_lines_are_not_compared(tmp_path):
     assert "<p>1 prompt-rounds compared, 1 differ;" in page
     assert "2 prompt-rounds sampled (temperature &gt; 0 in A or B" in page
     assert "are not compared, token by token or otherwise" in page
+
+
+def _runner_rounds(tmp_path, runs):
+    """rounds.parquet's rows as the soak runner makes them (runner._round_rows over each run's
+    result Parquet and --stats JSON): runs maps (round, arm) to (stats or None, rows)."""
+    from cluster.soak import runner
+    rows = []
+    for (rnd, arm), (stats, served) in runs.items():
+        out, st = tmp_path / f"r{rnd:03d}_{arm}.parquet", tmp_path / f"r{rnd:03d}_{arm}.stats.json"
+        pd.DataFrame([{"id": "p0", "line": 1, "finish_reason": "length", "error": None, **r}
+                      for r in served]).to_parquet(out)
+        if stats is not None:
+            st.write_text(json.dumps(stats))
+        t = 100.0 + 10 * rnd + 5 * (arm == "B")
+        rows.append(runner._round_rows({"round": rnd, "arm": arm, "label": arm, "start_s": t,
+                                        "end_s": t + 3.0, "returncode": "0", "parquet": out,
+                                        "stats": st}, {"p0"})[0])
+    return pd.DataFrame(rows)
+
+
+def test_report_leaves_out_ratios_that_are_not_finite_and_says_how_many(tmp_path):
+    """A round pair whose A value is 0 (a run that generated no token: throughput 0, or a TTFT
+    of 0) has an infinite B/A ratio, one with a value missing (no --stats: no throughput) a
+    NaN one. The summary leaves those out; the report's histogram took the infinite ones and
+    crashed (numpy: "supplied range of [1.0, inf] is not finite"). Now it leaves them out too,
+    and says how many, per metric."""
+    ok = {"tokens": 480, "wall_s": 4.0, "decode_tokens": 400, "decode_steps": 40}
+    row = {"ttft_s": 0.31, "decode_tokens_per_s": 17.5}
+    runs = {(0, "A"): ({**ok, "tokens": 0}, [{**row, "ttft_s": 0.0}]),  # A's 0: inf ratios
+            (0, "B"): (ok, [row]),
+            (1, "A"): (None, [row]),  # no --stats: throughput missing, a NaN ratio
+            (1, "B"): (ok, [row]),
+            (2, "A"): (ok, [{**row, "ttft_s": 0.0, "decode_tokens_per_s": 0.0}]),  # 0/0: NaN
+            (2, "B"): (ok, [{**row, "ttft_s": 0.0, "decode_tokens_per_s": 0.0}]),
+            (3, "A"): ({**ok, "tokens": 400}, [{**row, "ttft_s": 0.25}]),
+            (3, "B"): (ok, [row])}
+    rounds = _runner_rounds(tmp_path, runs)
+    assert rounds.throughput_tok_s.iloc[0] == 0.0 and np.isnan(rounds.throughput_tok_s.iloc[2])
+    requests = pd.DataFrame([{"round": r, "arm": a, "id": "p0", "line": 1,
+                              "completion_tokens": [3, 4], "finish_reason": "length",
+                              "ttft_s": 0.3, "decode_tokens_per_s": 17.0, "temperature": 0.0}
+                             for r in range(4) for a in "AB"])
+    s = summarize(requests, rounds)
+    assert s["ratio_B_over_A"]["throughput_tok_s"]["n"] == 2  # rounds 0 and 1 left out
+    assert s["ratio_B_over_A"]["ttft_median_s"]["n"] == 2  # rounds 0 and 2
+    assert s["ratio_B_over_A"]["decode_tok_s_median"]["n"] == 3  # round 2
+    out = tmp_path / "report.html"
+    write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
+    page = out.read_text()
+    assert page.count("<img") == 4
+    assert ("B/A ratios left out of the 4 round pairs (not finite: A's value 0, or a value "
+            "missing; the summary leaves them out too): throughput_tok_s 2, ttft_median_s 2, "
+            "decode_tok_s_median 1</p>") in page
+
+
+def test_report_ratio_plot_of_a_metric_with_no_finite_ratio_says_so(tmp_path):
+    """Every pair's A throughput 0: no ratio is left to draw for it; the panel says so (and
+    the other metrics' panels are drawn) instead of an empty or broken histogram."""
+    from cluster.soak import report
+    ok = {"tokens": 480, "wall_s": 4.0}
+    row = {"ttft_s": 0.31, "decode_tokens_per_s": 17.5}
+    rounds = _runner_rounds(tmp_path, {(r, a): ({**ok, "tokens": 0} if a == "A" else ok, [row])
+                                       for r in range(3) for a in "AB"})
+    drawn = []
+    real = report.plt.Axes.hist
+
+    def hist(self, x, *a, **kw):
+        drawn.append(np.asarray(x, float))
+        return real(self, x, *a, **kw)
+    report.plt.Axes.hist = hist
+    try:
+        b64, left_out = report._ratios(rounds, ["throughput_tok_s", "ttft_median_s"])
+    finally:
+        report.plt.Axes.hist = real
+    assert b64 and left_out == {"throughput_tok_s": (3, 3), "ttft_median_s": (0, 3)}
+    assert len(drawn) == 1 and np.isfinite(drawn[0]).all() and len(drawn[0]) == 3
