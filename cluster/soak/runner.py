@@ -185,9 +185,9 @@ def classify_kills(kills: list[dict], rounds: pd.DataFrame) -> list[dict]:
     A kill while the job ran is "found" when the job's scheduler found a worker death for it
     (its --stats' worker_deaths) and "unseen" when it did not: the job steps a worker only
     while one of its sequences is in flight there, so a worker killed while idle (its slots
-    empty, e.g. the queue had drained onto its peers, or it was still loading and the job
-    ended before it was given a sequence) is never stepped again: no death is found, nothing
-    needed recovering, and nothing was lost. The job counts its deaths, not which worker each
+    empty, e.g. the queue had drained onto its peers) is never stepped again: no death is
+    found, nothing needed recovering, and nothing was lost. (A worker killed while it was
+    still loading is found: the groups report it as dead at start and the job counts it.) The job counts its deaths, not which worker each
     was, so a round with more kills than deaths found has its latest kills taken as unseen
     (the ones most likely to find their worker idle, as the queue drains); the counts per
     round are exact. "unknown": the run left no count of the deaths it found (it crashed or
