@@ -43,7 +43,8 @@ a decode-only step (the decode rate, through a long run of prefill steps), a sta
 (the expert gauges, after a step). So while a Scheduler runs (`JobMetrics.keep_alive`) a
 thread sets again, every `refresh_s` (5 s), each gauge series that nothing set in that
 time, to its last value; a series of a worker found dead is dropped from that (`forget`),
-so it ages out of the dashboard as the worker did. The cost: one dict entry per series
+so it ages out of the dashboard as the worker did (KeptGauges, which the soak's ratio
+gauge uses too). The cost: one dict entry per series
 (3 + 4 per worker), a lock per set, and a thread that wakes every 5 s and sets only the
 series the steps left alone (none in a busy job).
 """
@@ -61,6 +62,69 @@ log = logging.getLogger(__name__)
 TTFT_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
+class KeptGauges:
+    """Gauge series set again while they matter (see the module docstring): `set` sets a
+    series and keeps its last value; `refresh` sets again each one not set in the last
+    refresh_s; `running()` (a context) or `start`/`stop` run a thread that refreshes every
+    refresh_s; `forget` drops the series with a tag's value. Used by JobMetrics and by the
+    soak's ratio gauge (cluster/soak/runner.py)."""
+
+    def __init__(self, refresh_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.refresh_s, self.clock = refresh_s, clock
+        # every series set: (gauge, tags) -> [last value, clock() when set]
+        self._kept: dict[tuple[Any, tuple], list[float]] = {}
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def set(self, gauge: Any, value: float, **tags: str) -> None:
+        with self._lock:
+            self._set(gauge, tuple(sorted(tags.items())), value)
+
+    def _set(self, gauge: Any, tags: tuple, value: float) -> None:
+        gauge.set(value, tags=dict(tags) or None)
+        self._kept[(gauge, tags)] = [value, self.clock()]
+
+    def refresh(self) -> int:
+        """Set again every series not set in the last refresh_s, to its last value; returns
+        how many were."""
+        with self._lock:
+            now, n = self.clock(), 0
+            for (gauge, tags), (value, at) in list(self._kept.items()):
+                if now - at >= self.refresh_s:
+                    self._set(gauge, tags, value)
+                    n += 1
+            return n
+
+    def forget(self, tag: str, value: str) -> None:
+        with self._lock:
+            for series in [s for s in self._kept if (tag, value) in s[1]]:
+                del self._kept[series]
+
+    def start(self, name: str = "kvfleet-gauges") -> None:
+        self._stop = stop = threading.Event()
+
+        def keep():
+            while not stop.wait(self.refresh_s):
+                self.refresh()
+        self._thread = threading.Thread(target=keep, daemon=True, name=name)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
+
 class JobMetrics:
     """backend: what makes the metrics (Counter, Gauge, Histogram), ray.util.metrics when
     Ray is used (use_ray, or None: Ray is up); tests pass their own. refresh_s, clock: the
@@ -71,10 +135,7 @@ class JobMetrics:
         self.enabled = enabled
         self.local: dict[str, float] = defaultdict(float)
         self._ray = None
-        self.refresh_s, self.clock = refresh_s, clock
-        # every gauge series set: (key, tags) -> [last value, clock() when set]
-        self._kept: dict[tuple[str, tuple], list[float]] = {}
-        self._lock = threading.Lock()
+        self.kept = KeptGauges(refresh_s, clock)
         if not enabled:
             return
         if backend is None and use_ray is None:
@@ -127,52 +188,21 @@ class JobMetrics:
                     for value in values:
                         record(0, tags={tag: value})
 
-    # -- gauges, kept alive -------------------------------------------------------------
+    # -- gauges, kept alive (KeptGauges) ------------------------------------------------
     def _gauge(self, key: str, value: float, **tags: str) -> None:
-        with self._lock:
-            self._set(key, tuple(sorted(tags.items())), value)
-
-    def _set(self, key: str, tags: tuple, value: float) -> None:
-        self._ray[key].set(value, tags=dict(tags) or None)
-        self._kept[(key, tags)] = [value, self.clock()]
+        self.kept.set(self._ray[key], value, **tags)
 
     def refresh(self) -> int:
-        """Set again every gauge series not set in the last refresh_s, to its last value;
-        returns how many were."""
-        if not self._ray:
-            return 0
-        with self._lock:
-            now, n = self.clock(), 0
-            for (key, tags), (value, at) in list(self._kept.items()):
-                if now - at >= self.refresh_s:
-                    self._set(key, tags, value)
-                    n += 1
-            return n
+        """KeptGauges.refresh: the series set again."""
+        return self.kept.refresh()
 
     def forget(self, device: str) -> None:
         """A worker found dead: its series (tag device) are no longer kept alive."""
-        with self._lock:
-            for series in [s for s in self._kept if ("device", device) in s[1]]:
-                del self._kept[series]
+        self.kept.forget("device", device)
 
-    @contextlib.contextmanager
-    def keep_alive(self) -> Iterator[None]:
+    def keep_alive(self) -> contextlib.AbstractContextManager:
         """While inside, a thread calls refresh() every refresh_s (nothing without Ray)."""
-        if not self._ray:
-            yield
-            return
-        stop = threading.Event()
-
-        def keep():
-            while not stop.wait(self.refresh_s):
-                self.refresh()
-        thread = threading.Thread(target=keep, daemon=True, name="kvfleet-gauges")
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(timeout=5)
+        return self.kept.running() if self._ray else contextlib.nullcontext()
 
     # -- what the scheduler reports -------------------------------------------------------
     def queue(self, waiting: int, active: int) -> None:

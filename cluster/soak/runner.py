@@ -64,6 +64,7 @@ import pyarrow.parquet as pq
 
 from cluster.cli import UsageError
 from cluster.config import REPO_ROOT
+from cluster.metrics import KeptGauges
 from cluster.requests import Request, is_input_error, read_requests, result_key
 from cluster.soak.config import JOB_ENV, SoakArm, checkout_env
 from cluster.soak.faults import WorkerKiller
@@ -187,8 +188,9 @@ def classify_kills(kills: list[dict], rounds: pd.DataFrame) -> list[dict]:
     while one of its sequences is in flight there, so a worker killed while idle (its slots
     empty, e.g. the queue had drained onto its peers) is never stepped again: no death is
     found, nothing needed recovering, and nothing was lost. (A worker killed while it was
-    still loading is found: the groups report it as dead at start and the job counts it.) The job counts its deaths, not which worker each
-    was, so a round with more kills than deaths found has its latest kills taken as unseen
+    still loading is found: the groups report it as dead at start and the job counts it.)
+    The job counts its deaths, not which worker each was, so a round with more kills than
+    deaths found has its latest kills taken as unseen
     (the ones most likely to find their worker idle, as the queue drains); the counts per
     round are exact. "unknown": the run left no count of the deaths it found (it crashed or
     timed out before writing --stats, or its build writes none), so nothing says which."""
@@ -276,19 +278,16 @@ class RatioGauge:
     """Publishes each round's B/A ratios as the `kvfleet_soak_ratio` gauge (tag `metric`),
     so a dashboard shows them while a long soak runs. Ray exports a gauge only for about
     twice its report interval after its last set (~20 s), and a round pair takes minutes:
-    a thread sets the last ratios again every `every_s` until stop()."""
+    a thread sets the last ratios again every `every_s` until stop() (KeptGauges)."""
     METRICS = ("throughput_tok_s", "ttft_median_s", "decode_tok_s_median", "kv_bytes", "rss_bytes")
 
     def __init__(self, every_s: float = 5.0):
-        import threading
         from ray.util.metrics import Gauge
         self.gauge = Gauge("kvfleet_soak_ratio", "B/A ratio of the last soak round",
                            tag_keys=("metric",))
         self.last: dict[str, float] = {}
-        self._lock, self._stop = threading.Lock(), threading.Event()
-        self._thread = threading.Thread(target=self._keep, args=(every_s,), daemon=True,
-                                        name="soak-ratio-gauge")
-        self._thread.start()
+        self.kept = KeptGauges(every_s)
+        self.kept.start("soak-ratio-gauge")
 
     def publish(self, a: dict, b: dict) -> None:
         """This round's ratios (a and b: its rounds.parquet rows). A ratio this round cannot
@@ -296,28 +295,19 @@ class RatioGauge:
         figures are partial) is left out, or set to NaN where an earlier round had set it: the
         gauge then shows a gap, not the earlier round's ratio as the last one."""
         failed = bool(a.get("failed") or b.get("failed"))
-        with self._lock:
-            for m in self.METRICS:
-                av, bv = a.get(m), b.get(m)
-                if (not failed and av is not None and bv is not None and av != 0
-                        and math.isfinite(av) and math.isfinite(bv)):
-                    self.last[m] = bv / av
-                elif m in self.last:
-                    self.last[m] = math.nan
-            self._set()
-
-    def _set(self) -> None:
-        for m, v in self.last.items():
-            self.gauge.set(v, tags={"metric": m})
-
-    def _keep(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            with self._lock:
-                self._set()
+        for m in self.METRICS:
+            av, bv = a.get(m), b.get(m)
+            if (not failed and av is not None and bv is not None and av != 0
+                    and math.isfinite(av) and math.isfinite(bv)):
+                self.last[m] = bv / av
+            elif m in self.last:
+                self.last[m] = math.nan
+            else:
+                continue
+            self.kept.set(self.gauge, self.last[m], metric=m)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.kept.stop()
 
 
 class FailedRoundsCounter:
