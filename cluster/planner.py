@@ -2,8 +2,9 @@
 
 Every device (one Ray worker) holds the dense weights, the KV pool of its slots, the DSA
 indexer rows of those slots, an fp8 shadow (CUDA only, C engine's plan only, see below) and
-as many routed experts as still fit; experts no device pins are served from host memory. Bytes are exact
-integers; "GB" in configs and output means 1e9 bytes (the C engine's table does the same).
+as many routed experts as still fit; experts no device pins are served from host memory.
+Bytes are exact integers; "GB" in configs and output means 1e9 bytes (the C engine's table
+does the same).
 
     capacity = memory - reserve        (memory = the device's size, or its free memory for "auto")
     used     = dense + kv_pool + index + shadow + pinned experts  <=  capacity
@@ -41,12 +42,11 @@ of an H200: 19 float32 experts it can pin).
 Shadow (`kvfleet plan`, the C engine's table): the device copy of rows produced on the host
 (prefill on the host, rows read from disk), kept as fp8 (kv8 layout) whatever the pool
 tier. Projected for the worst case, every row of every slot: slots x ctx x cached layers x
-kv8 token bytes. (Here and in the pool,
-ctx is counted in whole blocks, as the pool allocates them: KVPool.for_model gives each slot
-ceil(ctx / block_size) blocks of block_size tokens, so 2048 tokens in 1500-token blocks hold
-3000. The job's plan uses its block_size; `kvfleet plan`, BLOCK, the job's default, unless
---block-size.) A CUDA device smaller
-than SHADOW_FLOOR_GB gets none: on a 24 GB card the shadow of a single 128k GLM-5 slot
+kv8 token bytes. (Here and in the pool, ctx is counted in whole blocks, as the pool
+allocates them: KVPool.for_model gives each slot ceil(ctx / block_size) blocks of
+block_size tokens, so 2048 tokens in 1500-token blocks hold 3000. The job's plan uses its
+block_size; `kvfleet plan`, BLOCK, the job's default, unless --block-size.) A CUDA device
+smaller than SHADOW_FLOOR_GB gets none: on a 24 GB card the shadow of a single 128k GLM-5 slot
 (6 GB) is a quarter of memory, better spent on the pool and pinned experts; such a device
 uploads host rows straight into its pool. CPU and Metal devices read host memory directly.
 
