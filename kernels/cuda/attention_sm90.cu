@@ -51,8 +51,8 @@
 // Code size: the step loop has to fit the SM's instruction cache, about 36 KB of SASS
 // (tests/gpu/diag_icache.py: ~2300 instructions; beyond, every pass refetches it). kv8 at
 // 64 heads is at 27.8 KB, tq4 at 27.9 KB (32.0 KB with LUT2=0; scripts/sm90_compile_check.py
-// prints the loop's instructions); 750 never-executed instructions added to its rare rescale path made kv8
-// 64 heads 10 % slower (the same code placed after the loop: no change).
+// prints the loop's instructions); 750 never-executed instructions added to its rare rescale
+// path made kv8 64 heads 10 % slower (the same code placed after the loop: no change).
 
 #define NCW 8                // consumer warps (two warpgroups)
 #define NTHREADS (32 * NCW + 128)  // + the producer warpgroup
@@ -201,8 +201,9 @@ static_assert(BS % 8 == 0 && HT % BS == 0, "BS: a multiple of 8 that divides the
 #endif                       // lane * 4: prmt + lds; 0 = 128-byte rows, prmt + lea + lds (16 x 32k,
                              // 64h 0.1784 / 0.1804 -> 0.1706 / 0.1731 ms, 16h 0.1219 / 0.1222 ->
                              // 0.1167 / 0.1164; the 64-head loop 2003 -> 1742 instructions)
+#define LUT_ROW (LUT2 ? 256 : 128)               // bytes per pair-table entry
 #if TIER == 2
-#define LUT_BYTES (256 * (LUT2 ? 64 : 32) * 4)   // pair table, one copy per bank
+#define LUT_BYTES (256 * LUT_ROW)                // pair table, one copy per bank
 #else
 #define LUT_BYTES 0
 #endif
@@ -719,11 +720,11 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
     float* sREDC = (float*)(smem + SM_REDC);
     const float* sQS = (const float*)(smem + SM_QS);
 #if TIER == 2
-    // pair table: entry b (two codes) of this lane's bank at lut_lane + b * 128; byte k of a
-    // word picked by prmt, so a lookup is prmt + lea + lds (4 integer ops with shifts / masks)
+    // pair table: entry b (two codes, byte k of a raw word) of this lane's bank at
+    // base + b * LUT_ROW + 4 * lane
 #if LUT2
     const u32 lut_base = smem_u32(smem + SM_LUT), lane4 = 4 * lane;
-    auto lut_at = [&](u32 w, int k) -> u32 {
+    auto lut_at = [&](u32 w, int k) -> u32 {  // prmt + lds
         const u32 off = prmt(w, lane4, 0x5504u | (k << 4));  // [lane * 4, byte k of w, 0, 0]
         u32 r;
         asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lut_base + off));
@@ -731,7 +732,7 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
     };
 #else
     const u32 lut_lane = smem_u32(smem + SM_LUT) + 4 * lane;
-    auto lut_at = [&](u32 w, int k) -> u32 {
+    auto lut_at = [&](u32 w, int k) -> u32 {  // prmt + lea + lds
         const u32 b = prmt(w, 0u, 0x4440u + k);
         u32 r;
         asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lut_lane + (b << 7)));
@@ -918,7 +919,7 @@ attn_wg(const unsigned short* qh, const float* qscale,  // (no __restrict__: see
             // the pair table, one copy per bank: thread e writes entry e's 32 copies (16-byte
             // stores, rotated by e so that a warp's stores spread over the banks)
             const u32 v = lut[ctid];
-            uint4* row = (uint4*)(smem + SM_LUT) + ctid * (LUT2 ? 16 : 8);
+            uint4* row = (uint4*)(smem + SM_LUT) + ctid * (LUT_ROW / 16);
 #pragma unroll
             for (int j = 0; j < 8; ++j) row[(j + ctid) & 7] = make_uint4(v, v, v, v);
         }
