@@ -119,6 +119,7 @@ class CacheFile:
         self._n = 0  # records on disk (append mode)
         self._heal_to: int | None = None
         self.detached = False  # a write gave this path a file of its own (hard links, above)
+        self.legacy: str | None = None  # an older kvfleet's file of this slot, not read (slots.py)
 
     # ---- public ---------------------------------------------------------------------
     def load(self) -> KVRecords:

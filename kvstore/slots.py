@@ -23,7 +23,20 @@ it renames the legacy file to the new name (logged). On a case-insensitive file 
 legacy file of "User-A" is the same file as "user-a"'s; it is adopted only if the
 directory lists it under exactly the legacy name (the case-preserved name it was created
 with), else it is left to the name that spells it and "User-A" starts a file of its own
-(logged, naming both). Each file is
+(logged, naming both).
+
+In a fleet being upgraded, an older kvfleet on the same directory keeps writing (or makes
+again) the legacy file after this version adopted it: then both files are there, and this
+version reads only its own, so what the older one saves is never loaded. `SlotFiles.open`
+says so: when the name's legacy file is there beside its file and is another file (not the
+same file through a symlink or a hard link, nor on a case-insensitive file system another
+name's file, as above), it logs a warning naming both, once per directory and name in a
+process, and sets the opened file's `legacy` to the legacy file's path on every open
+(workers/persist.py counts it as the "legacy_ignored" cache event). `unread_legacy` tells
+the same of any file (`kvfleet kv inspect`). The legacy file is neither read nor changed:
+an older writer may hold it open.
+
+Each file is
 guarded by an exclusive `fcntl.flock` on a sidecar "<file>.lock" (not on the data file,
 which an atomic rewrite replaces); a second writer, in this process or another, gets
 SlotBusyError naming the file and the holder's pid. A slot file that is a symlink (onto
@@ -44,6 +57,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 from contextlib import contextmanager
 
 from kernels.tiers import Tier
@@ -59,6 +73,12 @@ MAX_STEM = 80
 # names Windows reserves for devices, with any extension ("con.arrow" opens the console)
 DEVICE_NAMES = frozenset(["con", "prn", "aux", "nul", *(f"{d}{i}" for d in ("com", "lpt")
                                                         for i in range(10))])
+
+
+# (cache dir, slot name) whose unread legacy file this process has warned about: once each,
+# however many SlotFiles (workers of one process) open it
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
 
 
 class SlotBusyError(RuntimeError):
@@ -84,6 +104,50 @@ def legacy_filename(name: str, suffix: str) -> str:
     file systems apart: capitals and device names kept as is."""
     stem = _stem(name)
     return name + suffix if stem == name and stem else _hashed(name, stem, suffix)
+
+
+def unread_legacy(path: str, suffix: str) -> tuple[str, str, str] | None:
+    """(slot name, the name's file, its legacy file) when `path` is one of the two and the
+    legacy file is there beside the name's file as another file: an older kvfleet's, which
+    this version does not read (see the module docstring). None otherwise, or when `path`
+    (ending in `suffix`) is no file of a name whose legacy file differs from its own."""
+    folder, base = os.path.split(path)
+    if not base.endswith(suffix) or len(base) == len(suffix):
+        return None
+    # a name with a legacy file of its own is its file's stem (legacy) or the stem before
+    # the "~" (new), since no character of such a name is cleaned away
+    name = base[:-len(suffix)].split("~")[0]
+    new, old = slot_filename(name, suffix), legacy_filename(name, suffix)
+    if new == old or base not in (new, old):
+        return None
+    new, old = os.path.join(folder, new), os.path.join(folder, old)
+    return (name, new, old) if _another_file(new, old) else None
+
+
+def _another_file(new: str, old: str) -> bool:
+    """Whether the legacy file `old` is there beside the slot file `new` and is not the same
+    file (a symlink, a hard link, or a case-insensitive file system's other name's file)."""
+    if not (os.path.lexists(new) and os.path.lexists(old)) or _listed_as(old) != old:
+        return False
+    return not os.path.samestat(_stat(new), _stat(old))
+
+
+def _listed_as(path: str) -> str:
+    """`path` as its directory lists it: itself, or on a case-insensitive file system the
+    entry that differs from it only in case ("?" if none)."""
+    folder, base = os.path.split(path)
+    listed = os.listdir(folder or ".")
+    if base in listed:
+        return path
+    return os.path.join(folder, next((f for f in listed if f.casefold() == base.casefold()), "?"))
+
+
+def _stat(path: str) -> os.stat_result:
+    """The stat of the file `path` names; of the link itself where it does not resolve."""
+    try:
+        return os.stat(path)
+    except OSError:
+        return os.lstat(path)
 
 
 def _stem(name: str) -> str:
@@ -219,7 +283,9 @@ class SlotFiles:
             if self._adopt_legacy(name, path) and os.path.islink(path):
                 lock.close()  # a link now: lock its target too, as for any linked slot file
                 lock = SlotLock(path)
-            yield self.cls(path, self.fp, self.tier)
+            f = self.cls(path, self.fp, self.tier)
+            f.legacy = self._unread_legacy(name, path)
+            yield f
         finally:
             lock.close()
 
@@ -231,15 +297,13 @@ class SlotFiles:
         old = os.path.join(self.dir, legacy_filename(name, self.cls.suffix))
         if old == path or os.path.lexists(path) or not os.path.lexists(old):
             return False
-        listed = os.listdir(self.dir)
-        base = os.path.basename(old)
-        if base not in listed:  # a case-insensitive file system found another name's file
-            spelt = next((f for f in listed if f.casefold() == base.casefold()), "?")
+        spelt = _listed_as(old)
+        if spelt != old:  # a case-insensitive file system found another name's file
+            other = os.path.basename(spelt)
             log.warning("cache %r: not resuming from %s: on this case-insensitive file system "
                         "that is the file %s of the cache %r, a name that differs only in "
-                        "case; %r keeps a file of its own, %s", name, old,
-                        os.path.join(self.dir, spelt), spelt[:-len(self.cls.suffix)] or spelt,
-                        name, path)
+                        "case; %r keeps a file of its own, %s", name, old, spelt,
+                        other[:-len(self.cls.suffix)] or other, name, path)
             return False
         legacy = SlotLock(old)
         try:
@@ -252,3 +316,23 @@ class SlotFiles:
         log.warning("cache %r: renamed %s to %s (file names that stay distinct on "
                     "case-insensitive file systems)", name, old, path)
         return True
+
+    def _unread_legacy(self, name: str, path: str) -> str | None:
+        """The legacy file of `name` when it is there beside `path` as another file (an older
+        kvfleet still writes it); warned about once per directory and name in this process."""
+        old = os.path.join(self.dir, legacy_filename(name, self.cls.suffix))
+        if old == path or not _another_file(path, old):
+            return None
+        key = (os.path.realpath(self.dir), name)
+        with _warned_lock:
+            first = key not in _warned
+            _warned.add(key)
+        if first:
+            log.warning("cache %r: %s is there beside its file %s: an older kvfleet (before "
+                        "file names that stay distinct on case-insensitive file systems) is "
+                        "still writing this cache under its old name, and this version reads "
+                        "only its own file, so what the older one saves there is never loaded "
+                        "(counted as the legacy_ignored cache event; said once per process). "
+                        "Stop or upgrade the older kvfleet workers on this directory; the old "
+                        "file is left as it is", name, old, path)
+        return old

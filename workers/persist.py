@@ -12,7 +12,9 @@ sequence:
              computes the last prompt token and its logits, and copy them into the pool slot
              as stored (kvstore/prefix.py to_pool: no re-encode). The step then drops its
              prompt rows below that count and `StepOutput.loaded` tells the scheduler where
-             prefill resumes.
+             prefill resumes. A file of the slot's old name beside its file, which an older
+             kvfleet still writes and this one does not read, is counted ("legacy_ignored";
+             kvstore/slots.py warns).
     steps    the tokens the worker forwards are kept by position; `done` is the KV length
              that completed forwards have written.
     release  the file is made to hold the sequence's tokens [0, done) -- the prompt and the
@@ -77,7 +79,7 @@ class _Open:
 # every name SlotPersist counts in `events` (the kvfleet_kv_cache metric's `event` tag,
 # started at 0 on the metrics endpoint: cluster/metrics.py)
 CACHE_EVENTS = ("hits", "misses", "busy", "errors", "rejected", "upgraded", "loaded_tokens",
-                "saved_tokens", "save_errors", "truncated", "detached")
+                "saved_tokens", "save_errors", "truncated", "detached", "legacy_ignored")
 
 
 class SlotPersist:
@@ -154,6 +156,8 @@ class SlotPersist:
             self.events["errors"] += 1
             self._plain.add(key)
             return 0
+        if f.legacy is not None:  # an older kvfleet writes it; kvstore logged it (once)
+            self.events["legacy_ignored"] += 1
         rejected = f.message is not None and (f.plan is None or f.plan.action == "reject")
         if rejected:
             self.events["rejected"] += 1  # kvstore logged the message (once per load)

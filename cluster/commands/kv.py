@@ -12,7 +12,9 @@ process holds, is left alone). An output with other hard links (a `cp -al` snaps
 replaced by a file of its own, never written in place: its other names keep their bytes
 (convert says so in a note). An output folder that does not exist is created (mkdir -p;
 convert says so), and removed again when convert writes nothing.
-Both refuse a file that a loader would throw away whole (a clean start).
+Both refuse a file that a loader would throw away whole (a clean start). `inspect` of a slot
+file whose older name (an older kvfleet's, kvstore/slots.py) is there too as another file,
+or of that file, adds a `legacy:` line: what an older kvfleet writes there is not read.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from kvstore import coli, disk
 from kvstore.cachefile import check_regular, unresolved_link
 from kvstore.fingerprint import Fingerprint, HeaderError, plan_load, tier_label
 from kvstore.records import RecordLayout, requantize
-from kvstore.slots import SlotBusyError, SlotLock
+from kvstore.slots import SlotBusyError, SlotLock, unread_legacy
 
 SUFFIX_FORMAT = {".coli_kv": "coli", ".arrow": "arrow", ".arrows": "arrow", ".kvarrow": "arrow"}
 
@@ -136,9 +138,26 @@ def inspect_cmd(args) -> int:
             x = np.concatenate([recs.l_codes.ravel(), recs.r_codes.ravel()])
             print(f"non-finite values: {int((~np.isfinite(x)).sum())}")
     print(f"health:       {f.message or 'ok'}")
+    _legacy_note(args.file, f.suffix)
     if args.model:
         return _model_check(args, f, tag)
     return 0
+
+
+def _legacy_note(path: str, suffix: str) -> None:
+    """A line when `path` is one of a slot's two files, its own and the one an older kvfleet
+    named and still writes, and both are there (kvstore/slots.py unread_legacy)."""
+    pair = unread_legacy(path, suffix)
+    if pair is None:
+        return
+    name, new, old = pair
+    if os.path.basename(path) == os.path.basename(old):
+        print(f"legacy:       not read: the file an older kvfleet gives cache {name!r}; this "
+              f"version reads {new} instead, so what an older kvfleet writes here is not "
+              f"loaded (stop or upgrade it)")
+    else:
+        print(f"legacy:       {old} is there too: an older kvfleet still writes cache {name!r} "
+              f"under its old name; this version does not read that file")
 
 
 def _model_check(args, f, tag: int) -> int:

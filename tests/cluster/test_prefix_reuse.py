@@ -19,7 +19,7 @@ from cluster.jobs.generate import run_generate
 from cluster.requests import parse_line
 from kvstore.disk import ArrowKVFile
 from kvstore.fingerprint import Fingerprint
-from kvstore.slots import SlotFiles, slot_filename
+from kvstore.slots import SlotFiles, legacy_filename, slot_filename
 from runtime_helpers import make_tiny, rows_by_id, write_lines
 from workers.actor import StepBatch
 from workers.config import ModelConfig
@@ -323,6 +323,35 @@ def test_a_job_through_a_link_is_busy_while_the_shares_file_is_held(tiny, tmp_pa
     assert (share / name).stat().st_size == size  # the refused writer wrote nothing
     rows, st = run(tiny, tmp_path / "r3", [line("a", toks)], cache)  # free: it is reused
     assert rows["a"]["cached_prompt_tokens"] == P - 1 and st.kv_cache["hits"] == 1
+
+
+def test_a_legacy_file_an_older_kvfleet_still_writes_is_counted_and_warned(tiny, tmp_path,
+                                                                            caplog):
+    """A rolling upgrade: an older kvfleet worker on the same cache dir saves cache "User-A"
+    under its old file name after this version adopted it. The job read only the new file and
+    said nothing: the older worker's saves were lost to every new worker, unseen."""
+    cache = tmp_path / "cache"
+    toks = prompt(14)
+    first, _ = run(tiny, tmp_path / "r1", [line("a", toks, cache="User-A")], cache)
+    mine, _, _ = saved(tiny, cache, "User-A", "f32")
+    old = cache / legacy_filename("User-A", ".arrow")
+    assert not old.exists()
+    fp = Fingerprint.from_config(ModelConfig.from_file(tiny / "config.json"))
+    theirs = ArrowKVFile(old, fp, "f32")  # as the older kvfleet names and writes it
+    theirs.load()
+    theirs.append(mine.slice(0, 10))
+    data = old.read_bytes()
+    with caplog.at_level(logging.WARNING):
+        rows, st = run(tiny, tmp_path / "r2", [line("a", toks, cache="User-A")], cache)
+        assert rows["a"]["cached_prompt_tokens"] == P - 1  # from its own file
+        assert st.kv_cache["legacy_ignored"] == 1 and st.kv_cache["hits"] == 1
+        rows, st = run(tiny, tmp_path / "r3", [line("a", toks, cache="User-A")], cache)
+        assert st.kv_cache["legacy_ignored"] == 1  # counted at every open
+    warned = [r.getMessage() for r in caplog.records if "older kvfleet" in r.getMessage()]
+    assert len(warned) == 1 and str(old) in warned[0]  # said once in the process
+    assert str(cache / slot_filename("User-A", ".arrow")) in warned[0]
+    assert old.read_bytes() == data  # left as the older kvfleet wrote it
+    assert rows["a"]["completion_tokens"] == first["a"]["completion_tokens"]
 
 
 def test_cache_names_stay_inside_the_dir_and_default_to_the_id(tiny, tmp_path):

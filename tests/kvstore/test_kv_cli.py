@@ -193,6 +193,36 @@ def test_convert_refuses_widths_the_rotation_cannot_take(tmp_path, capsys, to):
     assert run(capsys, "kv", "convert", p, tmp_path / "k.arrow", "--to", "kv8")[0] == 0
 
 
+@pytest.mark.parametrize("cls", [ArrowKVFile, ColiKVFile])
+def test_inspect_flags_a_slots_file_and_the_legacy_file_beside_it(tmp_path, capsys, monkeypatch,
+                                                                  cls):
+    # Both files of a slot are there: an older kvfleet still saves under the old name, which
+    # kvfleet no longer reads. Inspect of either file used to print only "health: ok".
+    from kvstore.slots import SlotFiles, legacy_filename
+    files = SlotFiles(tmp_path / "cache", FP, "kv8", fmt="arrow" if cls is ArrowKVFile else "coli")
+    new = files.path("Chat-7")
+    old = os.path.join(files.dir, legacy_filename("Chat-7", cls.suffix))
+    write(cls, new, FP, "kv8", [records(FP, "kv8", 3, 1)])
+    rc, out, _ = run(capsys, "kv", "inspect", new)
+    assert rc == 0 and "legacy:" not in out  # only its own file: nothing to say
+    write(cls, old, FP, "kv8", [records(FP, "kv8", 5, 2)])  # the older kvfleet's save
+    rc, out, _ = run(capsys, "kv", "inspect", old)
+    assert rc == 0 and "records:      5" in out
+    assert f"legacy:       not read: the file an older kvfleet gives cache 'Chat-7'; this " \
+           f"version reads {new} instead" in out
+    rc, out, _ = run(capsys, "kv", "inspect", new)
+    assert rc == 0 and "records:      3" in out
+    assert f"legacy:       {old} is there too: an older kvfleet still writes cache 'Chat-7'" in out
+    monkeypatch.chdir(files.dir)  # a path without a folder
+    rc, out, _ = run(capsys, "kv", "inspect", os.path.basename(old))
+    assert rc == 0 and "legacy:       not read" in out
+    os.unlink(old)
+    os.symlink(os.path.basename(new), old)  # the old name a link to the new file: one file
+    for p in (old, new):
+        rc, out, _ = run(capsys, "kv", "inspect", p)
+        assert rc == 0 and "legacy:" not in out
+
+
 def test_convert_refuses_a_file_a_job_holds(tmp_path, capsys):
     # A running job holds its slot file's lock and appends at the end it loaded: convert must
     # not rename a new file under it (the job's next append would land inside that file).

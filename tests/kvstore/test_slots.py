@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from diskdata import FP, records, same
-from kvstore.slots import SlotBusyError, SlotFiles, SlotLock, slot_filename
+from kvstore.slots import (SlotBusyError, SlotFiles, SlotLock, legacy_filename, slot_filename,
+                           unread_legacy)
 
 
 def test_names_are_safe_and_distinct(tmp_path):
@@ -86,7 +87,6 @@ def test_no_two_names_share_a_file_where_case_does_not_count():
 
 def _legacy_cache(s: SlotFiles, name: str, recs) -> str:
     """A cache file where kvfleet before the case-safe names put slot `name`."""
-    from kvstore.slots import legacy_filename
     path = os.path.join(s.dir, legacy_filename(name, s.cls.suffix))
     f = s.cls(path, FP, "kv8")
     f.load()
@@ -102,13 +102,100 @@ def test_a_file_under_the_legacy_name_is_adopted(tmp_path, fmt, caplog):
     assert os.path.basename(old) == "User-A" + s.cls.suffix and s.path("User-A") != old
     with caplog.at_level("WARNING", logger="kvstore.slots"), s.open("User-A") as f:
         assert f.path == s.path("User-A") and same(f.load(), recs)
+        assert f.legacy is None  # adopted: no file of the old name is left to be unread
         f.append(records(FP, "kv8", 2, seed=4, start=6))
     assert not os.path.lexists(old) and not os.path.lexists(old + ".lock")
     assert f"renamed {old} to {s.path('User-A')}" in caplog.text
+    assert "older kvfleet" not in caplog.text
     with s.open("User-A") as f:  # the next open finds the new file, nothing left to adopt
         assert len(f.load()) == 8 and same(f.load().slice(0, 6), recs)
     with s.open("user-a") as f:  # a lowercase name keeps its file; it is another cache
         assert len(f.load()) == 0
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "coli"])
+def test_a_legacy_file_an_older_kvfleet_writes_again_is_warned_about_and_flagged(tmp_path, fmt,
+                                                                                 caplog):
+    # A rolling upgrade: a new worker adopted "User-A"'s legacy file, then an old worker on
+    # the same directory made it again and saved there. Both files stayed, the new workers
+    # read only theirs, and nothing said that the old workers' saves were never loaded.
+    s = SlotFiles(tmp_path, FP, "kv8", fmt=fmt)
+    ours = records(FP, "kv8", 6, seed=3)
+    _legacy_cache(s, "User-A", ours)
+    with s.open("User-A") as f:  # adopted
+        assert same(f.load(), ours) and f.legacy is None
+    theirs = records(FP, "kv8", 4, seed=9)
+    old, new = _legacy_cache(s, "User-A", theirs), s.path("User-A")  # the old worker's next save
+    before = open(old, "rb").read()
+    again = SlotFiles(str(tmp_path) + "/.", FP, "kv8", fmt=fmt)  # another worker of this process
+    with caplog.at_level("WARNING", logger="kvstore.slots"):
+        for files in (s, s, again):
+            with files.open("User-A") as f:
+                assert f.legacy == os.path.join(files.dir, os.path.basename(old))  # every open
+                assert same(f.load(), ours)  # its own file, nothing of the old one mixed in
+    warned = [r.getMessage() for r in caplog.records if "older kvfleet" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per directory and name in a process
+    assert old in warned[0] and new in warned[0] and "never loaded" in warned[0]
+    assert "'User-A'" in warned[0] and "legacy_ignored" in warned[0]
+    assert open(old, "rb").read() == before  # not merged, moved or deleted
+    assert unread_legacy(old, s.cls.suffix) == ("User-A", new, old)
+    assert unread_legacy(new, s.cls.suffix) == ("User-A", new, old)
+    _legacy_cache(s, "Chat-7", records(FP, "kv8", 2))  # another name: adopted, then made again
+    with s.open("Chat-7"):
+        pass
+    _legacy_cache(s, "Chat-7", records(FP, "kv8", 2))
+    with caplog.at_level("WARNING", logger="kvstore.slots"), s.open("Chat-7") as f:
+        assert f.legacy is not None
+    assert sum("older kvfleet" in r.getMessage() for r in caplog.records) == 2  # its own warning
+    with s.open("user-a") as f:  # a lowercase name has no other file to leave unread
+        assert f.legacy is None and len(f.load()) == 0
+
+
+def test_one_file_under_both_names_is_not_flagged(tmp_path, caplog):
+    # a symlink or a hard link between the old name and the new one: one file, all of it read
+    s = SlotFiles(tmp_path, FP, "kv8")
+    new, old = s.path("User-A"), os.path.join(s.dir, legacy_filename("User-A", ".arrow"))
+    recs = records(FP, "kv8", 5, seed=2)
+    with s.open("User-A") as f:
+        f.load()
+        f.append(recs)
+    layouts = [lambda: os.symlink(os.path.basename(new), old),  # the old name links to it
+               lambda: os.link(new, old),  # a second name of the file
+               lambda: (os.rename(new, old), os.symlink(old, new))]  # the new name links to it
+    with caplog.at_level("WARNING", logger="kvstore.slots"):
+        for make in layouts:
+            make()
+            assert os.path.lexists(old) and os.path.lexists(new)
+            with s.open("User-A") as f:
+                assert f.legacy is None and same(f.load(), recs)
+            assert unread_legacy(old, ".arrow") is None and unread_legacy(new, ".arrow") is None
+            if os.path.islink(new):  # back to the one plain file under the new name
+                os.unlink(new)
+                os.rename(old, new)
+            else:
+                os.unlink(old)
+    assert "older kvfleet" not in caplog.text
+
+
+def test_a_case_insensitive_file_systems_other_name_is_not_flagged(tmp_path, monkeypatch, caplog):
+    # Simulated as above: "User-A.arrow" resolves to user-a's file, which the directory lists
+    # as "user-a.arrow"; "User-A" has a file of its own. That is no older kvfleet's file of
+    # "User-A" but user-a's, which user-a reads.
+    s = SlotFiles(tmp_path, FP, "kv8")
+    for name, seed in (("user-a", 1), ("User-A", 2)):
+        with s.open(name) as f:
+            f.load()
+            f.append(records(FP, "kv8", 3, seed=seed))
+    alias = tmp_path / "User-A.arrow"
+    os.link(s.path("user-a"), alias)
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda d: [n for n in real_listdir(d) if n != alias.name])
+    with caplog.at_level("WARNING", logger="kvstore.slots"), s.open("User-A") as f:
+        assert f.legacy is None and same(f.load(), records(FP, "kv8", 3, seed=2))
+    assert "older kvfleet" not in caplog.text
+    assert unread_legacy(str(alias), ".arrow") is None
+    monkeypatch.setattr(os, "listdir", real_listdir)  # listed as created: an old kvfleet's file
+    assert unread_legacy(str(alias), ".arrow") == ("User-A", s.path("User-A"), str(alias))
 
 
 def test_a_busy_legacy_file_is_not_renamed_under_its_writer(tmp_path):
