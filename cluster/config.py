@@ -163,6 +163,9 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "KVFLEET_KV_CACHE_DIR": ("kv_cache_dir", str),
     "KVFLEET_KV_CACHE_FORMAT": ("kv_cache_format", str),
 }
+# every variable that sets a job field: what a soak withholds from an arm's rounds so that
+# it runs its config as written (cluster/soak/config.py asks each arm's checkout for its own)
+JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 
 _SWITCH_OFF = ("", "0", "false", "no", "off")  # (as KVFLEET_METAL / COLI_METAL read them)

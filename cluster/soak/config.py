@@ -10,6 +10,14 @@ cannot say (it does not import, or its code has no load_job_config), the soak wa
 validates with this checkout's schema instead; summary.json's `config_check` records which
 code checked each arm.
 
+The job settings that the soak's environment would give every round (KV8, KV_TQ,
+KVFLEET_SLOTS, ...) are withheld from an arm's rounds and its config check, so each arm runs
+its config as written: this checkout's job variables (cluster/config.py JOB_ENV) and those
+that the arm's own checkout declares, which the same check reports (a newer build may read a
+variable that this checkout does not know; an older one, one that this checkout dropped).
+Where that checkout cannot say, the soak warns and withholds this checkout's alone;
+summary.json's `job_env` records where each arm's list came from.
+
     kv: kv8                    # ... any JobConfig field
     soak:
       label: kv8               # name in the report (default: the file's stem)
@@ -44,13 +52,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.cli import UsageError
-from cluster.config import ENV_FIELDS, REPO_ROOT, validate_job_config
+from cluster.config import JOB_ENV, REPO_ROOT, validate_job_config
 
 log = logging.getLogger(__name__)
-
-# the job settings the environment would give every round (cluster/config.py): neither the
-# rounds nor an arm's config check get them, each arm runs its own config as written
-JOB_ENV = frozenset(ENV_FIELDS) | {"KV8", "KV_TQ", "KV_TQ_POLAR"}
 
 
 class _Frozen(BaseModel):
@@ -75,12 +79,15 @@ class SoakArm:
     """One side of an A/B soak: where its job config lies, how to run it, its gate."""
 
     def __init__(self, path: Path, job: dict, section: SoakSection, temperature: float,
-                 key: str = "A", checked_by: str = "this checkout"):
+                 key: str = "A", checked_by: str = "this checkout",
+                 job_env: frozenset[str] = JOB_ENV, job_env_from: str = "this checkout"):
         self.path, self.job, self.section, self.key = path, job, section, key
         self.temperature = temperature  # the job's; a prompt line may set its own
         self.label = section.label or path.stem
         self.working_dir = _working_dir(path, section)
         self.checked_by = checked_by  # which code validated the job part (summary.json)
+        self.job_env = job_env  # the variables withheld from its rounds (checkout_env)
+        self.job_env_from = job_env_from  # which code declared them (summary.json)
 
     def write_job_config(self, where: Path) -> Path:
         """The job part alone, for `kvfleet generate --config` (which forbids `soak:`)."""
@@ -100,11 +107,12 @@ def _working_dir(path: Path, section: SoakSection) -> Path | None:
     return (wd if wd.is_absolute() else path.parent / wd).resolve()
 
 
-def checkout_env(wd: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+def checkout_env(wd: Path, withheld: frozenset[str],
+                 extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a process run in checkout `wd` for an arm (its rounds, its config
-    check): this one's without the job settings (JOB_ENV), plus `extra`, importing that
-    checkout's code."""
-    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
+    check): this one's without the job settings `withheld` (the arm's job_env), plus
+    `extra`, importing that checkout's code."""
+    env = {k: v for k, v in os.environ.items() if k not in withheld}
     env.update(extra or {})
     env.update(PYTHONPATH=str(wd), RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     return env
@@ -112,13 +120,18 @@ def checkout_env(wd: Path, extra: dict[str, str] | None = None) -> dict[str, str
 
 # run in the arm's checkout: its own load_job_config on the job part (as its rounds' generate
 # --config reads it); prints one JSON line: the job temperature, or the refusal's message,
-# and the file the code came from (which must be that checkout's)
+# the file the code came from (which must be that checkout's), and the variables its code
+# sets job fields from, where it declares them (its cluster/config.py JOB_ENV; an older
+# build's ENV_FIELDS, whose tier variables KV8 / KV_TQ / KV_TQ_POLAR JOB_ENV holds here)
 _CHECK = """\
 import json, sys
 import cluster.config
 from cluster.cli import UsageError
 from cluster.config import load_job_config
 got = {"source": cluster.config.__file__}
+names = getattr(cluster.config, "JOB_ENV", getattr(cluster.config, "ENV_FIELDS", None))
+if isinstance(names, (dict, set, frozenset, list, tuple)):
+    got["job_env"] = sorted(str(v) for v in names)
 try:
     got["temperature"] = float(load_job_config(sys.argv[1]).sampling.temperature)
 except UsageError as e:
@@ -128,34 +141,48 @@ print(json.dumps(got))
 CHECK_TIMEOUT_S = 120.0
 
 
+def _run_check(job_file: Path, wd: Path, withheld: frozenset[str]) -> tuple[dict | None, str]:
+    """One run of _CHECK in checkout wd on job_file, in an arm's environment withholding
+    `withheld`: (its JSON, "") or (None, why it said nothing usable)."""
+    try:
+        p = subprocess.run([sys.executable, "-c", _CHECK, str(job_file)], cwd=wd,
+                           env=checkout_env(wd, withheld), capture_output=True, text=True,
+                           timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"its check ran past {CHECK_TIMEOUT_S:.0f}s"
+    except OSError as e:
+        return None, e.strerror
+    lines = p.stdout.strip().splitlines()
+    try:
+        got = json.loads(lines[-1]) if p.returncode == 0 and lines else None
+    except json.JSONDecodeError:
+        got = None
+    if not isinstance(got, dict) or not ({"error", "temperature"} & set(got)):
+        return None, (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+    source = Path(str(got.get("source"))).resolve()
+    if not source.is_relative_to(wd):  # (e.g. a checkout with no cluster/__init__.py)
+        return None, f"its python imported {source}, not that checkout's cluster/config.py"
+    return got, ""
+
+
 def _check_in_checkout(job: dict, path: Path, wd: Path) -> tuple[dict | None, str]:
     """The arm's job part validated by checkout wd's own code: ({"temperature": t} or
-    {"error": message}, ""), or (None, why it could not be checked there)."""
+    {"error": message}, with "job_env": the variables that code sets job fields from, where
+    it declares them, ""), or (None, why it could not be checked there). The check runs in
+    the environment that the arm's rounds get: without JOB_ENV, nor the variables it
+    declares."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-soak-check-") as tmp:
         job_file = Path(tmp) / path.name
         job_file.write_text(yaml.safe_dump(job, sort_keys=False))
-        try:
-            p = subprocess.run([sys.executable, "-c", _CHECK, str(job_file)], cwd=wd,
-                               env=checkout_env(wd), capture_output=True, text=True,
-                               timeout=CHECK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return None, f"its check ran past {CHECK_TIMEOUT_S:.0f}s"
-        except OSError as e:
-            return None, e.strerror
-        lines = p.stdout.strip().splitlines()
-        try:
-            got = json.loads(lines[-1]) if p.returncode == 0 and lines else None
-        except json.JSONDecodeError:
-            got = None
-        if not isinstance(got, dict) or not ({"error", "temperature"} & set(got)):
-            err = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
-            return None, err
-        source = Path(str(got.get("source"))).resolve()
-        if not source.is_relative_to(wd):  # (e.g. a checkout with no cluster/__init__.py)
-            return None, f"its python imported {source}, not that checkout's cluster/config.py"
-        if "error" in got:  # (its messages name the temporary copy: name the arm's file)
+        got, why = _run_check(job_file, wd, JOB_ENV)
+        own = frozenset(got.get("job_env", ())) if got else frozenset()
+        if (own - JOB_ENV) & set(os.environ):
+            # its code read job settings that only it knows from this environment, which
+            # its rounds will not get: its list is known now, check again without them
+            got, why = _run_check(job_file, wd, JOB_ENV | own)
+        if got is not None and "error" in got:  # (its messages name the temporary copy)
             got["error"] = str(got["error"]).replace(str(job_file), str(path))
-        return got, ""
+        return got, why
 
 
 def load_arm(path: str | Path, key: str = "A") -> SoakArm:
@@ -182,20 +209,38 @@ def load_arm(path: str | Path, key: str = "A") -> SoakArm:
     if wd is not None and not (wd / "cluster" / "__main__.py").exists():
         raise UsageError(f"{path}: soak.working_dir {wd} is not a kvfleet checkout "
                          f"({'no such directory' if not wd.is_dir() else 'no cluster/__main__.py'})")
-    checked_by = "this checkout"
-    if wd is not None and wd != REPO_ROOT:  # the job part, as the arm's own code reads it
-        got, why = _check_in_checkout(data, path, wd)
-        if got is not None and "error" in got:
-            raise UsageError(f"{flag}: the job config is refused by soak.working_dir {wd}'s own "
-                             f"code: {got['error']}")
-        if got is not None:
-            return SoakArm(path, data, section, temperature=got["temperature"], key=key,
-                           checked_by=f"its own checkout {wd}")
+    if wd is None or wd == REPO_ROOT:
+        cfg = validate_job_config(data, str(path))  # the job part must stand on its own
+        return SoakArm(path, data, section, temperature=cfg.sampling.temperature, key=key)
+    got, why = _check_in_checkout(data, path, wd)  # the job part, as the arm's own code reads it
+    if got is not None and "error" in got:
+        raise UsageError(f"{flag}: the job config is refused by soak.working_dir {wd}'s own "
+                         f"code: {got['error']}")
+    if got is None:
         log.warning("%s %s: cannot validate its job config with soak.working_dir %s's own code "
                     "(%s); validating it with this checkout's (%s) instead, which may refuse a "
                     "setting only that build knows or accept one it refuses", flag, path, wd,
                     why, REPO_ROOT)
+        temperature = validate_job_config(data, str(path)).sampling.temperature
         checked_by = f"this checkout {REPO_ROOT} (its own checkout {wd} could not: {why})"
-    cfg = validate_job_config(data, str(path))  # the job part must stand on its own
-    return SoakArm(path, data, section, temperature=cfg.sampling.temperature, key=key,
-                   checked_by=checked_by)
+    else:
+        temperature, checked_by = got["temperature"], f"its own checkout {wd}"
+    job_env, job_env_from = _arm_job_env(got, why, flag, path, wd)
+    return SoakArm(path, data, section, temperature=temperature, key=key, checked_by=checked_by,
+                   job_env=job_env, job_env_from=job_env_from)
+
+
+def _arm_job_env(got: dict | None, why: str, flag: str, path: Path,
+                 wd: Path) -> tuple[frozenset[str], str]:
+    """The variables withheld from the rounds of an arm run from checkout wd (JOB_ENV and
+    those its check reported) and which code declared them; where its check reported none,
+    JOB_ENV alone, with a warning."""
+    if got is not None and "job_env" in got:
+        return JOB_ENV | frozenset(got["job_env"]), f"its own checkout {wd}"
+    if got is not None:
+        why = "its cluster/config.py declares neither JOB_ENV nor ENV_FIELDS"
+    log.warning("%s %s: soak.working_dir %s's code cannot say which environment variables it "
+                "reads job settings from (%s); withholding this checkout's (%s) from that "
+                "arm's rounds instead: one that only that build reads, if set, still reaches "
+                "them", flag, path, wd, why, REPO_ROOT)
+    return JOB_ENV, f"this checkout {REPO_ROOT} (its own checkout {wd} could not: {why})"

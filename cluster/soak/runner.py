@@ -21,9 +21,10 @@ stats JSON (`generate --stats`). A fault injector may kill a worker actor every 
 the job must recover (every id exactly once), and the soak counts what was lost.
 
 Each arm runs its own job config as written: the job settings of the soak's environment
-(KV8, KV_TQ, KVFLEET_SLOTS, ...: cluster/config.py ENV_FIELDS) are not passed to the rounds,
-where they would override both arms alike. DIR must be new or empty (the rounds of an earlier
-soak there would be resumed, not rerun).
+(KV8, KV_TQ, KVFLEET_SLOTS, ...: cluster/config.py JOB_ENV, and those that the arm's own
+checkout declares: cluster/soak/config.py) are not passed to its rounds, where they would
+override the config. DIR must be new or empty (the rounds of an earlier soak there would be
+resumed, not rerun).
 
 Output under DIR:
     rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
@@ -42,7 +43,10 @@ Output under DIR:
                        unknown (the run recorded no deaths count), after_end (it landed after
                        its round's job had taken its last step: no kill of that round; also
                        the `after_end` column)
-    summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate
+    summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate;
+                       per arm, `config_check`: the code that checked its job config, and
+                       `job_env`: the code that declared the job variables withheld from its
+                       rounds (`from`), those variables, and of them the ones set here
     report.html        the self-contained report
 """
 from __future__ import annotations
@@ -66,7 +70,7 @@ from cluster.cli import UsageError
 from cluster.config import REPO_ROOT
 from cluster.metrics import KeptGauges
 from cluster.requests import Request, is_input_error, read_requests, result_key
-from cluster.soak.config import JOB_ENV, SoakArm, checkout_env
+from cluster.soak.config import SoakArm, checkout_env
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
 from cluster.soak.summary import COUNTER_GROUPS, OK_FINISH, apply_gate, parity_table, summarize
@@ -135,7 +139,7 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: fl
     out, stats, logf = rdir / f"{stem}.parquet", rdir / f"{stem}.stats.json", rdir / f"{stem}.log"
     cfg = arm.write_job_config(rdir / f"{arm.key}.job.yaml")
     wd = arm.working_dir or REPO_ROOT
-    env = checkout_env(wd, {**plan.extra_env, "RAY_ADDRESS": address})
+    env = checkout_env(wd, arm.job_env, {**plan.extra_env, "RAY_ADDRESS": address})
     # every path absolute: the round runs in the arm's checkout, not in this process's cwd
     cmd = [sys.executable, "-m", "cluster", "generate", "--config", str(cfg.resolve()),
            "--prompts", str(plan.prompts.resolve()), "--out", str(out.resolve()),
@@ -341,10 +345,14 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     if not expected:  # (every round would serve nothing, and the gate pass on nothing)
         raise UsageError(f"--prompts {plan.prompts}: no requests in it (an empty or blank file)")
     (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
-    ignored = sorted(JOB_ENV & set(os.environ))
-    if ignored:
-        log.warning("soak: %s set in the environment, not passed to the rounds (each arm runs "
-                    "its own config)", ", ".join(ignored))
+    ignored: dict[tuple[str, ...], list[str]] = {}  # the variables withheld -> the arms
+    for arm in plan.arms:
+        ignored.setdefault(tuple(sorted(arm.job_env & set(os.environ))), []).append(arm.key)
+    for names, keys in ignored.items():
+        if names:
+            log.warning("soak: %s set in the environment, not passed to the rounds of arm%s %s "
+                        "(each arm runs its own config)", ", ".join(names),
+                        "s" if len(keys) > 1 else "", " and ".join(keys))
     started = False
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
@@ -401,6 +409,9 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
     summary = summarize(requests, rounds)
     summary["labels"] = {a.key: a.label for a in plan.arms}
     summary["config_check"] = {a.key: a.checked_by for a in plan.arms}  # (soak/config.py)
+    summary["job_env"] = {a.key: {"from": a.job_env_from, "variables": sorted(a.job_env),
+                                  "withheld": sorted(a.job_env & set(os.environ))}
+                          for a in plan.arms}
     for col, outcomes in KILL_COLUMNS.items():
         summary["faults"][col] = sum(k["outcome"] in outcomes for k in kills)
     fails = apply_gate(summary, plan.arms[0].section.gate)

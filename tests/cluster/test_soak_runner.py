@@ -9,7 +9,7 @@ import pytest
 
 from cluster.cli import UsageError
 from cluster.soak import runner
-from cluster.soak.config import load_arm
+from cluster.soak.config import JOB_ENV, load_arm
 
 
 def _prompts(tmp_path):
@@ -200,9 +200,19 @@ sys.exit(3)
 
 def _fake_checkout_arm(tmp_path, monkeypatch, generate: str, soak_yaml: str, counted=None):
     """An arm config whose soak.working_dir is a fake checkout: its `python -m cluster` is
-    `generate` (a script that writes a results file). Ray is not started (the soak only hands
-    the rounds its address); its metrics Counter is a stand-in that appends (name, arm,
-    value) to `counted` for each record or increment."""
+    `generate` (a script that writes a results file). Ray is not started (_no_ray)."""
+    _no_ray(monkeypatch, counted)
+    build = tmp_path / "build"
+    (build / "cluster").mkdir(parents=True)
+    (build / "cluster" / "__main__.py").write_text(generate)
+    cfg = tmp_path / "arm.yaml"
+    cfg.write_text(f"kv: kv8\nsoak:\n{soak_yaml}  working_dir: build\n")
+    return cfg
+
+
+def _no_ray(monkeypatch, counted=None):
+    """The soak without Ray: it only hands the rounds an address; its metrics Counter is a
+    stand-in that appends (name, arm, value) to `counted` for each record or increment."""
     import ray
     import ray.util.metrics
 
@@ -217,15 +227,9 @@ def _fake_checkout_arm(tmp_path, monkeypatch, generate: str, soak_yaml: str, cou
         inc = _record
 
     monkeypatch.setattr(ray.util.metrics, "Counter", FakeCounter)
-    build = tmp_path / "build"
-    (build / "cluster").mkdir(parents=True)
-    (build / "cluster" / "__main__.py").write_text(generate)
-    cfg = tmp_path / "arm.yaml"
-    cfg.write_text(f"kv: kv8\nsoak:\n{soak_yaml}  working_dir: build\n")
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context",
                         lambda: type("Ctx", (), {"gcs_address": "127.0.0.1:1"})())
-    return cfg
 
 
 def test_a_round_that_exits_nonzero_fails_the_soak(tmp_path, monkeypatch):
@@ -603,8 +607,13 @@ def test_an_arm_whose_checkout_cannot_check_its_config_falls_back_visibly(tmp_pa
     assert arm.checked_by == (f"this checkout {REPO_ROOT} (its own checkout {build} could not: "
                               "ImportError: needs pydantic 9)")
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warned) == 1 and warned[0].startswith(f"--vs {cfg}: cannot validate its job "
+    assert len(warned) == 2 and warned[0].startswith(f"--vs {cfg}: cannot validate its job "
                                                      f"config with soak.working_dir {build}")
+    # nor which variables its code reads job settings from: this checkout's are withheld
+    assert warned[1].startswith(f"--vs {cfg}: soak.working_dir {build}'s code cannot say which "
+                                "environment variables it reads job settings from (ImportError: "
+                                "needs pydantic 9); withholding this checkout's")
+    assert arm.job_env == JOB_ENV and arm.job_env_from == arm.checked_by
     cfg.write_text("kv: kv9\nsoak:\n  working_dir: broken\n")  # this checkout still refuses
     with pytest.raises(UsageError, match=r"B\.yaml: kv: .*kv9"):
         load_arm(cfg, "B")
@@ -612,6 +621,110 @@ def test_an_arm_whose_checkout_cannot_check_its_config_falls_back_visibly(tmp_pa
     with pytest.raises(UsageError, match=r"soak\.working_dir /.*/no-such-kvfleet-checkout is "
                        r"not a kvfleet checkout \(no such directory\)"):
         load_arm(cfg, "B")
+
+
+ENV_RECORDING_GENERATE = SERVE_EVERY_LINE + """\
+# generate that records the environment it ran in (OUT.env.json), then serves every line
+import json, os, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+with open(out + ".env.json", "w") as f:
+    json.dump(dict(os.environ), f)
+serve(out)
+"""
+
+
+def _round_env(out, stem):
+    return json.loads((out / "rounds" / f"{stem}.parquet.env.json").read_text())
+
+
+def test_a_job_variable_only_the_arms_checkout_reads_is_withheld_from_it(
+        tmp_path, monkeypatch, caplog):
+    """The variables withheld from the rounds were this checkout's alone: a newer build that
+    sets a job field from one that this checkout does not know got it from the operator's
+    shell, in its config check (which refused a value there, or took one, that its config
+    does not say) and in its every round, while the other arm's build had no such setting:
+    an A/B of unequal configs. The arm's own checkout now declares its list, withheld from
+    its check and its rounds, and the warning names what each arm does not get."""
+    build = _other_build(
+        tmp_path,
+        ("    slots: int = Field(8, ge=1)\n",
+         "    slots: int = Field(8, ge=1)\n    spec_decode_draft: int = Field(0, ge=0, le=4)\n"),
+        ('    "KVFLEET_KV_CACHE_FORMAT": ("kv_cache_format", str),\n',
+         '    "KVFLEET_KV_CACHE_FORMAT": ("kv_cache_format", str),\n'
+         '    "KVFLEET_SPEC_DRAFT": ("spec_decode_draft", int),\n'))
+    (build / "cluster" / "__main__.py").write_text(ENV_RECORDING_GENERATE)
+    a = _fake_checkout_arm(tmp_path, monkeypatch, ENV_RECORDING_GENERATE, "  label: old\n")
+    b = tmp_path / "B.yaml"
+    b.write_text("kv: kv8\nspec_decode_draft: 1\nsoak:\n  working_dir: newer\n")
+    monkeypatch.setenv("KVFLEET_SPEC_DRAFT", "3")
+    monkeypatch.setenv("KV8", "1")
+    monkeypatch.setenv("KVFLEET_KEEP_ME", "yes")
+    out = tmp_path / "soak"
+    plan = runner.SoakPlan(arms=[load_arm(a, "A"), load_arm(b, "B")], prompts=_prompts(tmp_path),
+                           out=out, rounds=1)
+    caplog.clear()
+    summary, _ = runner.run_soak(plan)  # (the fake rounds write no stats: no throughput ratio)
+    assert summary["failed_rounds"] == []
+    env_b = _round_env(out, "r000_B")
+    assert "KVFLEET_SPEC_DRAFT" not in env_b and "KV8" not in env_b
+    assert env_b["KVFLEET_KEEP_ME"] == "yes"
+    # arm A's build (no code of its own to say) withholds this checkout's list
+    env_a = _round_env(out, "r000_A")
+    assert "KV8" not in env_a and env_a["KVFLEET_SPEC_DRAFT"] == "3"
+    warned = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert warned == [
+        "soak: KV8 set in the environment, not passed to the rounds of arm A (each arm runs its "
+        "own config)",
+        "soak: KV8, KVFLEET_SPEC_DRAFT set in the environment, not passed to the rounds of arm B "
+        "(each arm runs its own config)"]
+    got = json.loads((out / "summary.json").read_text())["job_env"]
+    assert got["B"]["from"] == f"its own checkout {build}"
+    assert set(got["B"]["variables"]) == JOB_ENV | {"KVFLEET_SPEC_DRAFT"}
+    assert got["B"]["withheld"] == ["KV8", "KVFLEET_SPEC_DRAFT"]
+    assert got["A"]["from"].startswith("this checkout ") and "could not" in got["A"]["from"]
+    assert got["A"]["variables"] == sorted(JOB_ENV) and got["A"]["withheld"] == ["KV8"]
+    # its config check runs as its rounds do: a value its config does not say is no refusal
+    monkeypatch.setenv("KVFLEET_SPEC_DRAFT", "9")
+    arm = load_arm(b, "B")
+    assert arm.checked_by == f"its own checkout {build}" and "KVFLEET_SPEC_DRAFT" in arm.job_env
+
+
+def test_an_arm_whose_checkout_declares_no_job_variables_falls_back_visibly(
+        tmp_path, monkeypatch, caplog):
+    """An older build whose config code checks the job config but declares no list of the
+    variables it reads (neither JOB_ENV nor ENV_FIELDS): the soak warns, withholds this
+    checkout's list, and summary.json says so, while the config check is still its own."""
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, ENV_RECORDING_GENERATE, "")
+    build = tmp_path / "build"
+    (build / "cluster" / "__init__.py").write_text("")
+    (build / "cluster" / "cli.py").write_text("class UsageError(Exception):\n    pass\n")
+    (build / "cluster" / "config.py").write_text(
+        "import os, types\n"
+        "def load_job_config(path):  # reads OLD_KNOB, declared nowhere\n"
+        "    t = float(os.environ.get('OLD_KNOB', '0.25'))\n"
+        "    return types.SimpleNamespace(sampling=types.SimpleNamespace(temperature=t))\n")
+    monkeypatch.setenv("OLD_KNOB", "0.5")
+    monkeypatch.setenv("KVFLEET_SLOTS", "3")
+    arm = load_arm(cfg, "A")
+    assert arm.checked_by == f"its own checkout {build}" and arm.temperature == 0.5
+    reason = "its cluster/config.py declares neither JOB_ENV nor ENV_FIELDS"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        f"--config {cfg}: soak.working_dir {build}'s code cannot say which environment "
+        f"variables it reads job settings from ({reason}); withholding this checkout's "
+        f"({runner.REPO_ROOT}) from that arm's rounds instead: one that only that build reads, "
+        "if set, still reaches them"]
+    assert arm.job_env == JOB_ENV
+    out = tmp_path / "soak"
+    summary, code = runner.run_soak(runner.SoakPlan(arms=[arm], prompts=_prompts(tmp_path),
+                                                    out=out, rounds=1))
+    assert code == 0, summary["gate"]
+    env = _round_env(out, "r000_A")
+    assert "KVFLEET_SLOTS" not in env and env["OLD_KNOB"] == "0.5"  # (what the warning said)
+    got = json.loads((out / "summary.json").read_text())["job_env"]["A"]
+    assert got == {"from": f"this checkout {runner.REPO_ROOT} (its own checkout {build} could "
+                           f"not: {reason})", "variables": sorted(JOB_ENV),
+                   "withheld": ["KVFLEET_SLOTS"]}
 
 
 CONFIG_READING_GENERATE = SERVE_EVERY_LINE + """\
