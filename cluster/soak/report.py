@@ -275,6 +275,14 @@ def _arms(summary: dict) -> str:
             + "".join(rows) + "</table>")
 
 
+def arm_lines(summary: dict) -> list[str]:
+    """The arms table as one line of text per arm, for the console."""
+    return [f"soak: {'warning: ' if any(c == 'warn' for _, c in cells) else ''}arm {arm} "
+            f"({label}): job config {cells[0][0]}; job variables declared by {cells[1][0]}; "
+            f"withheld from its rounds: {cells[2][0]}"
+            for arm, label, cells in _arm_rows(summary)]
+
+
 def _img(b64: str | None, alt: str) -> str:
     return "" if b64 is None else f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 

@@ -346,3 +346,25 @@ def test_report_arms_with_hostile_names_and_empty_or_unreadable_records(tmp_path
                   ("warn", 'warning: unreadable record: "its own checkout /x"')]
          + [("warn", 'warning: unreadable record: ["KV8"]')] * 2) for arm in "AB"]
 
+
+def test_arm_lines_say_per_arm_what_was_withheld():
+    """The console's per-arm lines (the arms table as text): the fallback is a warning."""
+    from cluster.soak.report import arm_lines
+    fallback = "this checkout /r (its own checkout /o could not: no module)"
+    assert arm_lines({"arms": ["A", "B"], "labels": {"A": "f32", "B": "kv8"},
+                      "config_check": {"A": "its own checkout /n", "B": fallback},
+                      "job_env": {"A": {"from": "its own checkout /n", "variables": ["KV8"],
+                                        "withheld": ["KV8"]},
+                                  "B": {"from": fallback, "variables": ["KV8", "KV_TQ"],
+                                        "withheld": []}}}) == [
+        "soak: arm A (f32): job config passed, checked by its own checkout /n; job variables "
+        "declared by its own checkout /n (1 job variable); withheld from its rounds: KV8 "
+        "(1 of its 1 job variable, set here)",
+        f"soak: warning: arm B (kv8): job config passed, but checked by {fallback} instead, "
+        f"whose schema may accept a setting that build refuses; job variables declared by "
+        f"{fallback}: 2 job variables, this checkout's; one that only that build reads, if "
+        "set here, still reaches its rounds; withheld from its rounds: none (none of its 2 "
+        "job variables is set here)"]
+    assert arm_lines({"arms": ["A"], "metrics": {}}) == [
+        "soak: arm A (not recorded): job config not recorded; job variables declared by not "
+        "recorded; withheld from its rounds: not recorded"]
