@@ -175,6 +175,114 @@ def _counters(summary: dict) -> str:
             f"<table><tr><th></th>{head}</tr>{body}</table>")
 
 
+# summary.json's config_check and job_env "from" (cluster/soak/config.py) say which code
+# checked an arm's job config or declared its job variables: "this checkout" (an arm with
+# no working_dir), "its own checkout WD", or, where that checkout could not say, the
+# fallback "this checkout ROOT (its own checkout WD could not: WHY)"
+def _source(value) -> str:
+    """"missing" (an older soak's summary recorded none), "own" (the arm's own code),
+    "fallback", or "unknown" (not a form the soak writes)."""
+    if value is None:
+        return "missing"
+    if not isinstance(value, str):
+        return "unknown"
+    if value == "this checkout" or value.startswith("its own checkout "):
+        return "own"
+    fallback = value.startswith("this checkout ") and " could not: " in value
+    return "fallback" if fallback else "unknown"
+
+
+def _unreadable(value) -> tuple[str, str]:
+    return "unreadable record: " + json.dumps(value, default=str), "warn"
+
+
+def _check_cell(check) -> tuple[str, str]:
+    """(text, class) of an arm's config_check. A config that its check refused stopped the
+    soak before any round (cluster/soak/config.py load_arm), so every one recorded passed."""
+    how = _source(check)
+    if how == "missing":
+        return "not recorded", "unknown"
+    if how == "unknown":
+        return _unreadable(check)
+    if how == "own":
+        return f"passed, checked by {check}", "pass"
+    return (f"passed, but checked by {check} instead, whose schema may accept a setting that "
+            "build refuses", "warn")
+
+
+def _env_cells(env) -> list[tuple[str, str]]:
+    """(text, class) of an arm's job_env: the code that declared its job variables, and
+    those of them withheld from its rounds (set here)."""
+    if env is None:
+        return [("not recorded", "unknown")] * 2
+    got = env if isinstance(env, dict) else {}
+    declared, withheld, how = got.get("variables"), got.get("withheld"), _source(got.get("from"))
+    names = all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                for v in (declared, withheld))
+    if how in ("missing", "unknown") or not names:
+        return [_unreadable(env)] * 2
+    of = f"{len(declared)} job variable{'' if len(declared) == 1 else 's'}"
+    source = ((f"{got['from']} ({of})", "") if how == "own" else
+              (f"{got['from']}: {of}, this checkout's; one that only that build reads, if set "
+               "here, still reaches its rounds", "warn"))
+    return [source, (", ".join(withheld) + f" ({len(withheld)} of its {of}, set here)", "")
+            if withheld else (f"none (none of its {of} is set here)", "")]
+
+
+def _arm_cells(summary: dict, arm: str) -> list[tuple[str, str]]:
+    """(text, class) of an arm's config check, the code that declared its job variables,
+    and those withheld from its rounds. Class "warn": a fallback, or a record in no form
+    the soak writes; "unknown": not recorded (a summary from before the soak recorded it)."""
+    check, env = summary.get("config_check"), summary.get("job_env")
+    # (each a mapping arm -> record; one that is not is in no form the soak writes)
+    cells = [_check_cell((check or {}).get(arm)) if check is None or isinstance(check, dict)
+             else _unreadable(check)]
+    if env is not None and not isinstance(env, dict):
+        return cells + [_unreadable(env)] * 2
+    return cells + _env_cells((env or {}).get(arm))
+
+
+def _arm_rows(summary: dict) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(arm, label, cells) per arm the summary names: its `arms`, then any that only its
+    labels, config_check or job_env name."""
+    keys = list(summary.get("arms") or [])
+    for table in ("labels", "config_check", "job_env"):
+        if isinstance(summary.get(table), dict):
+            keys += [k for k in summary[table] if k not in keys]
+    labels = summary.get("labels") if isinstance(summary.get("labels"), dict) else {}
+    return [(str(a), "not recorded" if labels.get(a) is None else str(labels[a]),
+             _arm_cells(summary, a)) for a in keys]
+
+
+def _arms(summary: dict) -> str:
+    """The arms table (summary.json labels, config_check, job_env), a fallback row marked."""
+    rows = []
+    for arm, label, cells in _arm_rows(summary):
+        warn = any(c == "warn" for _, c in cells)
+        rows.append(('<tr class="warn">' if warn else "<tr>")
+                    + f"<th>{html.escape(arm)}</th><td>{html.escape(label)}</td>"
+                    + "".join((f'<td class="{c}">' if c else "<td>")
+                              + ("warning: " if c == "warn" else "") + f"{html.escape(t)}</td>"
+                              for t, c in cells) + "</tr>")
+    if not rows:
+        return ""
+    return ("<h2>arms</h2><p>each arm's job config is checked before any round runs, by its "
+            "own checkout's code where that can (a refused config stops the soak), and the "
+            "job variables that code reads (KV8, KV_TQ, KVFLEET_SLOTS, ...) are withheld from "
+            "its rounds where they are set here, so each arm runs its config as written</p>"
+            '<table class="arms"><tr><th>arm</th><th>label</th><th>job config check</th>'
+            "<th>job variables declared by</th><th>withheld from its rounds</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def arm_lines(summary: dict) -> list[str]:
+    """The arms table as one line of text per arm, for the console."""
+    return [f"soak: {'warning: ' if any(c == 'warn' for _, c in cells) else ''}arm {arm} "
+            f"({label}): job config {cells[0][0]}; job variables declared by {cells[1][0]}; "
+            f"withheld from its rounds: {cells[2][0]}"
+            for arm, label, cells in _arm_rows(summary)]
+
+
 def _img(b64: str | None, alt: str) -> str:
     return "" if b64 is None else f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 
@@ -222,9 +330,11 @@ def write_report(path, summary: dict, rounds: pd.DataFrame, parity: pd.DataFrame
     body = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} img{{max-width:100%;display:block;margin:1em 0}}
 table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}
-.fail{{color:#b00}} .pass{{color:#070}}</style></head><body>
+.fail{{color:#b00}} .pass{{color:#070}} .warn{{color:#a50;background:#fff3dc}} .unknown{{color:#777}}
+.arms td{{text-align:left}}</style></head><body>
 <h1>{html.escape(title)}</h1>
 <p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
+{_arms(summary)}
 {_failed_rounds(summary)}
 {_kills(summary)}
 {''.join(parts)}

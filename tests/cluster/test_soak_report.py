@@ -1,6 +1,7 @@
 """The soak report renders in a real headless browser: no errors, every plot decoded."""
 import json
 import re
+from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
@@ -184,3 +185,186 @@ def test_report_ratio_plot_of_a_metric_with_no_finite_ratio_says_so(tmp_path):
         report.plt.Axes.hist = real
     assert b64 and left_out == {"throughput_tok_s": (3, 3), "ttft_median_s": (0, 3)}
     assert len(drawn) == 1 and np.isfinite(drawn[0]).all() and len(drawn[0]) == 3
+
+
+class _ArmsTable(HTMLParser):
+    """The rows of the page's arms table (<table class="arms">) past its header, each as
+    (the row's class, [(cell class, cell text), ...]), the arm's <th> first."""
+
+    def __init__(self, page):
+        super().__init__()
+        self.rows, self.depth, self.cell = [], 0, None
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        cls = dict(attrs).get("class") or ""
+        if tag == "table":
+            self.depth += 1 if (self.depth or cls == "arms") else 0
+        elif self.depth and tag == "tr":
+            self.rows.append((cls, []))
+        elif self.depth and tag in ("th", "td"):
+            self.cell = [cls, ""]
+        elif self.depth and self.cell is not None:
+            raise AssertionError(f"markup <{tag}> inside an arms table cell")
+
+    def handle_endtag(self, tag):
+        if self.depth and tag == "table":
+            self.depth -= 1
+        elif self.depth and tag in ("th", "td"):
+            self.rows[-1][1].append(tuple(self.cell))
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell[1] += data
+
+
+def _arm_rows(page):
+    rows = _ArmsTable(page).rows
+    assert rows and [c for _, c in rows[0][1]] == [
+        "arm", "label", "job config check", "job variables declared by", "withheld from its rounds"]
+    return rows[1:]
+
+
+def _two_arm_report(tmp_path, arms=("A", "B"), **extra):
+    """write_report on the summary of one round of each arm, with `extra` keys added."""
+    rounds = pd.DataFrame({"round": [0, 0], "arm": list(arms), "start_s": [0.0, 2.0],
+                           "end_s": [1.0, 3.0], "throughput_tok_s": [100.0, 90.0],
+                           "ttft_median_s": 0.1, "decode_tok_s_median": 10.0, "rss_bytes": 1e9,
+                           "kv_bytes": 1e6, "errors": 0, "kills": 0, "recoveries": 0,
+                           "lost_requests": 0})
+    requests = pd.DataFrame([{"round": 0, "arm": a, "id": "p0", "line": 1,
+                              "completion_tokens": [1, 2], "finish_reason": "length",
+                              "ttft_s": 0.1, "decode_tokens_per_s": 10.0, "temperature": 0.0}
+                             for a in arms])
+    s = {**summarize(requests, rounds), **extra}
+    out = tmp_path / "report.html"
+    write_report(out, s, rounds, parity_table(requests), pd.DataFrame(columns=["time_s"]), "t")
+    return out.read_text(), s
+
+
+def test_report_arms_table_from_a_real_soak_escapes_and_marks_the_fallback(
+        tmp_path, monkeypatch):
+    """The per-arm config checks and job variables were only in the raw summary.json dump.
+    A real soak (no Ray: its rounds are a fake generate) of arm A, whose checkout has no
+    config code (so its config is checked here and its job-variable list is this
+    checkout's: the fallback), and arm B, whose checkout declares its own list, from paths
+    and labels full of HTML: each arm's row says what summary.json says, escaped, and A's
+    row and cells are marked as a warning, B's not."""
+    import yaml
+    from test_soak_runner import ENV_RECORDING_GENERATE, _no_ray, _prompts
+    from cluster.config import JOB_ENV
+    from cluster.soak import runner
+    from cluster.soak.config import load_arm
+    _no_ray(monkeypatch)
+    old, new = tmp_path / 'old <i>"x"&amp;', tmp_path / "new </td><b>"
+    for wd in (old, new):
+        (wd / "cluster").mkdir(parents=True)
+        (wd / "cluster" / "__main__.py").write_text(ENV_RECORDING_GENERATE)
+    (new / "cluster" / "__init__.py").write_text("")
+    (new / "cluster" / "cli.py").write_text("class UsageError(Exception):\n    pass\n")
+    (new / "cluster" / "config.py").write_text(
+        "import types\nJOB_ENV = ('KV8', 'NEW_<KNOB>&')\n"
+        "def load_job_config(path):\n"
+        "    return types.SimpleNamespace(sampling=types.SimpleNamespace(temperature=0.0))\n")
+    labels = {"A": '<script>alert("a")</script>', "B": "kv8 & <b>bold</b>"}
+    paths = {}
+    for key, wd in (("A", old), ("B", new)):
+        paths[key] = tmp_path / f"{key}.yaml"
+        paths[key].write_text(yaml.safe_dump({"kv": "kv8", "soak": {
+            "label": labels[key], "working_dir": str(wd)}}))
+    monkeypatch.setenv("KV8", "1")
+    monkeypatch.setenv("NEW_<KNOB>&", "2")
+    out = tmp_path / "soak"
+    runner.run_soak(runner.SoakPlan(arms=[load_arm(paths["A"], "A"), load_arm(paths["B"], "B")],
+                                    prompts=_prompts(tmp_path), out=out, rounds=1))
+    written = json.loads((out / "summary.json").read_text())
+    page = (out / "report.html").read_text()
+    assert "<script>alert" not in page and "<i>" not in page and "</td><b>" not in page
+    (ca, a), (cb, b) = _arm_rows(page)
+    check_a, env_a = written["config_check"]["A"], written["job_env"]["A"]
+    assert "could not" in check_a and "could not" in env_a["from"]  # (the fallback, both)
+    n = len(JOB_ENV)
+    assert ca == "warn" and a == [
+        ("", "A"), ("", labels["A"]),
+        ("warn", f"warning: passed, but checked by {check_a} instead, whose schema may accept "
+                 "a setting that build refuses"),
+        ("warn", f"warning: {env_a['from']}: {n} job variables, this checkout's; one that only "
+                 "that build reads, if set here, still reaches its rounds"),
+        ("", f"KV8 (1 of its {n} job variables, set here)")]
+    assert written["config_check"]["B"] == f"its own checkout {new}"
+    assert written["job_env"]["B"]["withheld"] == ["KV8", "NEW_<KNOB>&"]
+    n = len(written["job_env"]["B"]["variables"])
+    assert cb == "" and b == [
+        ("", "B"), ("", labels["B"]), ("pass", f"passed, checked by its own checkout {new}"),
+        ("", f"its own checkout {new} ({n} job variables)"),
+        ("", f"KV8, NEW_<KNOB>& (2 of its {n} job variables, set here)")]
+    assert page.index("<h2>arms</h2>") < page.index("<img")  # near the top, after the gate
+    assert page.index("gate: ") < page.index("<h2>arms</h2>")
+
+
+def test_report_arms_of_an_older_summary_say_not_recorded(tmp_path):
+    """A summary from a soak that recorded no labels, config_check or job_env renders, each
+    arm's row saying "not recorded" (not a check passed, nor nothing withheld)."""
+    page, _ = _two_arm_report(tmp_path)
+    assert _arm_rows(page) == [
+        ("", [("", arm), ("", "not recorded")] + [("unknown", "not recorded")] * 3)
+        for arm in "AB"]
+    page, _ = _two_arm_report(tmp_path, labels={"A": "f32"}, config_check={"A": "this checkout"})
+    assert _arm_rows(page) == [
+        ("", [("", "A"), ("", "f32"), ("pass", "passed, checked by this checkout")]
+         + [("unknown", "not recorded")] * 2),
+        ("", [("", "B"), ("", "not recorded")] + [("unknown", "not recorded")] * 3)]
+
+
+def test_report_arms_with_hostile_names_and_empty_or_unreadable_records(tmp_path):
+    """Arm names full of HTML, an empty withheld list, and records in no form the soak
+    writes (a config_check that is no text, a job_env "from" that names no checkout, a
+    withheld that is no list), which are marked as warnings, never shown as normal."""
+    arms = ('<img src=x onerror="alert(1)">', "A&amp;B")
+    page, _ = _two_arm_report(
+        tmp_path, arms=arms, labels={arms[0]: "</table>"},
+        config_check={arms[0]: "its own checkout /x/<y>", arms[1]: {"ok": True}},
+        job_env={arms[0]: {"from": "its own checkout /x/<y>", "variables": ["KV8", "KV_TQ"],
+                           "withheld": []},
+                 arms[1]: {"from": "elsewhere", "variables": [], "withheld": "KV8"}})
+    assert "<img src=x" not in page
+    rows = sorted(_arm_rows(page), key=lambda r: r[1][0][1])
+    assert rows == sorted([
+        ("", [("", arms[0]), ("", "</table>"),
+              ("pass", "passed, checked by its own checkout /x/<y>"),
+              ("", "its own checkout /x/<y> (2 job variables)"),
+              ("", "none (none of its 2 job variables is set here)")]),
+        ("warn", [("", arms[1]), ("", "not recorded"),
+                  ("warn", 'warning: unreadable record: {"ok": true}')]
+         + [("warn", 'warning: unreadable record: {"from": "elsewhere", "variables": [], '
+                     '"withheld": "KV8"}')] * 2)], key=lambda r: r[1][0][1])
+    # a summary whose records are not per arm at all
+    page, _ = _two_arm_report(tmp_path, config_check="its own checkout /x", job_env=["KV8"])
+    assert _arm_rows(page) == [
+        ("warn", [("", arm), ("", "not recorded"),
+                  ("warn", 'warning: unreadable record: "its own checkout /x"')]
+         + [("warn", 'warning: unreadable record: ["KV8"]')] * 2) for arm in "AB"]
+
+
+def test_arm_lines_say_per_arm_what_was_withheld():
+    """The console's per-arm lines (the arms table as text): the fallback is a warning."""
+    from cluster.soak.report import arm_lines
+    fallback = "this checkout /r (its own checkout /o could not: no module)"
+    assert arm_lines({"arms": ["A", "B"], "labels": {"A": "f32", "B": "kv8"},
+                      "config_check": {"A": "its own checkout /n", "B": fallback},
+                      "job_env": {"A": {"from": "its own checkout /n", "variables": ["KV8"],
+                                        "withheld": ["KV8"]},
+                                  "B": {"from": fallback, "variables": ["KV8", "KV_TQ"],
+                                        "withheld": []}}}) == [
+        "soak: arm A (f32): job config passed, checked by its own checkout /n; job variables "
+        "declared by its own checkout /n (1 job variable); withheld from its rounds: KV8 "
+        "(1 of its 1 job variable, set here)",
+        f"soak: warning: arm B (kv8): job config passed, but checked by {fallback} instead, "
+        f"whose schema may accept a setting that build refuses; job variables declared by "
+        f"{fallback}: 2 job variables, this checkout's; one that only that build reads, if "
+        "set here, still reaches its rounds; withheld from its rounds: none (none of its 2 "
+        "job variables is set here)"]
+    assert arm_lines({"arms": ["A"], "metrics": {}}) == [
+        "soak: arm A (not recorded): job config not recorded; job variables declared by not "
+        "recorded; withheld from its rounds: not recorded"]
