@@ -59,14 +59,19 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     """`limit` = admit at most that many runnable prompts (the rest waits for a rerun)."""
     t0 = time.perf_counter()
     from workers.config import ConfigError, ModelConfig
+    from workers.safetensors_io import WeightsError
     from workers.tokenizer import Tokenizer, TokenizerError
+    from workers.weights import check_checkpoint
     if not (cfg.model / "config.json").exists():
         raise JobConfigError(f"model: {cfg.model} has no config.json (set `model:` in the "
                              f"config, --model, or KVFLEET_MODEL)")
-    try:  # (both name the file)
+    try:  # (all name the file)
         mcfg = ModelConfig.from_file(cfg.model / "config.json")
         tok = Tokenizer.from_dir(cfg.model)
-    except (ConfigError, TokenizerError) as e:
+        # the weights' headers too (no tensor data): a missing, truncated or mismatched
+        # checkpoint ended every worker's start with a traceback of its own (exit 1)
+        check_checkpoint(cfg.model, mcfg)
+    except (ConfigError, TokenizerError, WeightsError) as e:
         raise JobConfigError(f"model: {e}") from None
     from kernels.tiers import get_tier
     if why := get_tier(cfg.kv).width_error(mcfg.kv_lora_rank, mcfg.qk_rope_head_dim):

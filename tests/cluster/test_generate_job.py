@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,6 +200,36 @@ def test_bad_model_dir_is_a_usage_error(tiny, tmp_path):
                          (no_tok, "no tokenizer.json")):
         with pytest.raises(JobConfigError, match=f"^model: {model}/.*{match}"):
             run_generate(config(model), prompts, tmp_path / "out.parquet", progress=False)
+
+
+def test_bad_weights_are_a_usage_error_before_any_worker_starts(tiny, tmp_path, capsys):
+    """A model dir whose weights are missing, cut short (an interrupted download) or of
+    another shape is one line naming the file, exit 2, with nothing written; the workers
+    found it as they loaded, each with a traceback (exit 1; through Ray "all 1 worker
+    actors died while starting")."""
+    import shutil
+    from cluster.cli import main
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    cut, gone, other = (shutil.copytree(tiny, tmp_path / n) for n in ("cut", "gone", "other"))
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    (gone / "model.safetensors").unlink()
+    c = json.loads((other / "config.json").read_text())
+    c["moe_intermediate_size"] *= 2  # (the same tensors, other shapes than the config's)
+    (other / "config.json").write_text(json.dumps(c))
+    job = tmp_path / "job.yaml"
+    job.write_text("workers: {runtime: inprocess}\n")
+    for model, said in ((cut, f"{weights}: truncated safetensors file"),
+                        (gone, f"{gone}: no model.safetensors"),
+                        (other, f"{other / 'model.safetensors'}: tensor .* has shape")):
+        out = tmp_path / f"{model.name}.parquet"
+        assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--config",
+                     str(job), "--model", str(model)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert re.search(f"^kvfleet generate: error: model: {said}", err), err
+        assert not list(tmp_path.glob(f"{model.name}.parquet*"))
 
 
 def test_unreadable_or_foreign_out_is_a_usage_error(tmp_path):
