@@ -104,6 +104,15 @@ def _generate(cfg: JobConfig, prompts, out, store: ResultStore, tok, mcfg, t0: f
         lines = list(read_requests(prompts))
     except OSError as e:
         raise JobConfigError(f"--prompts {prompts}: {e.strerror}") from None
+    keys = {result_key(item.id, item.line) for item in lines}
+    if done and not keys & done.keys():
+        # finalize keeps only the current lines' rows: an empty prompts file (a failed
+        # download, a `>` for a `>>`) or another batch's wiped every finished row, exit 0
+        raise JobConfigError(
+            f"--out {out}: holds {len(done)} finished rows (ids e.g. {sorted(done)[:3]}), none "
+            f"for a line of --prompts {prompts} ({len(lines)} requests"
+            f"{', ids e.g. ' + str(sorted(keys)[:3]) if keys else ''}): this run would "
+            f"leave none of them. Give another --out, or move {out} away to start over")
     for item in lines:
         key = result_key(item.id, item.line)
         if key in done:

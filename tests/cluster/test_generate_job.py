@@ -418,6 +418,39 @@ def test_resume_after_editing_the_prompts_keeps_one_row_per_current_line(tiny, t
         assert list(zip(t.column("id").to_pylist(), t.column("line").to_pylist())) == want
 
 
+def test_a_rerun_that_would_leave_none_of_the_finished_rows_is_refused(tiny, tmp_path, capsys):
+    """Rerun on an OUT with an empty prompts file (a failed download, `>` for `>>`), a blank
+    one or another batch's ids: finalize keeps only the current lines' rows, so every
+    finished row was wiped, exit 0. It is one line naming --out and --prompts, exit 2, OUT
+    unchanged. An OUT of error rows alone (nothing finished to lose) is no reason to refuse."""
+    from cluster.cli import main
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {tiny}\nmax_context: 64\nworkers: {{runtime: inprocess}}\n")
+    out = tmp_path / "out.parquet"
+
+    def gen(prompts: Path) -> int:
+        return main(["generate", "--prompts", str(prompts), "--out", str(out), "--config", str(job)])
+
+    assert gen(write_lines(tmp_path / "p.jsonl", prompt_lines(3))) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    other = write_lines(tmp_path / "other.jsonl", [json.dumps({"id": "z", "prompt": "fox"})])
+    for prompts in (write_lines(tmp_path / "empty.jsonl", []),
+                    write_lines(tmp_path / "blank.jsonl", ["", "  \t", ""]), other):
+        assert gen(prompts) == 2, prompts
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert (f"--out {out}: holds 3 finished rows" in err and f"--prompts {prompts}" in err
+                and "move" in err), err
+        assert out.read_bytes() == before and not list(tmp_path.glob("out.parquet.*"))
+    errors_only = tmp_path / "errors.parquet"
+    bad = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "no id"})])
+    for prompts, rows in ((bad, [None]), (other, ["z"])):
+        assert main(["generate", "--prompts", str(prompts), "--out", str(errors_only),
+                     "--config", str(job)]) == 0
+        assert pq.read_table(errors_only).column("id").to_pylist() == rows
+
+
 def test_resume_redoes_a_line_whose_request_changed(tiny, tmp_path):
     """An id whose prompt or per-line settings were edited since its row was made is run
     again (its old row, for the old request, was kept as done: the output's prompt and
