@@ -85,10 +85,10 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
                     mcfg.max_position_embeddings, cfg.model / "config.json")
     if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
         raise JobConfigError(f"model {cfg.model}: {why}")
-    if cfg.kv_cache_dir is not None and cfg.kv_cache_dir.exists() and not cfg.kv_cache_dir.is_dir():
+    if cfg.kv_cache_dir is not None and (why := _dir_error(cfg.kv_cache_dir)):
         # (the workers would fail to create it, each with a traceback of its own)
-        raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: exists and is not a directory "
-                             f"(set by --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
+        raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: {why} (set by --kv-cache-dir, "
+                             f"KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     try:  # (the store locks OUT for this run: let go of it however the run ends)
         return _generate(cfg, prompts, out, store, tok, mcfg, t0, limit, progress)
@@ -173,6 +173,19 @@ def _generate(cfg: JobConfig, prompts, out, store: ResultStore, tok, mcfg, t0: f
                 list(getattr(group, "final_stats", [])))
     log.info("generate: %s", s.line())
     return s
+
+
+def _dir_error(d: Path) -> str | None:
+    """Why `os.makedirs(d, exist_ok=True)` (kvstore/slots.py, on each worker) fails on this
+    host because of what is on the way, else None."""
+    up = d
+    while not os.path.lexists(up) and up != up.parent:
+        up = up.parent
+    if up.is_dir():
+        return None
+    if up == d:
+        return "exists and is not a directory"
+    return f"cannot be made: {up} is not a directory (a file, or a link that does not resolve)"
 
 
 def _settings(cfg: JobConfig) -> dict[str, object]:
