@@ -65,13 +65,10 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     if not (cfg.model / "config.json").exists():
         raise JobConfigError(f"model: {cfg.model} has no config.json (set `model:` in the "
                              f"config, --model, or KVFLEET_MODEL)")
-    try:  # (all name the file)
+    try:  # (both name the file)
         mcfg = ModelConfig.from_file(cfg.model / "config.json")
         tok = Tokenizer.from_dir(cfg.model)
-        # the weights' headers too (no tensor data): a missing, truncated or mismatched
-        # checkpoint ended every worker's start with a traceback of its own (exit 1)
-        check_checkpoint(cfg.model, mcfg)
-    except (ConfigError, TokenizerError, WeightsError) as e:
+    except (ConfigError, TokenizerError) as e:
         raise JobConfigError(f"model: {e}") from None
     from kernels.tiers import get_tier
     if why := get_tier(cfg.kv).width_error(mcfg.kv_lora_rank, mcfg.qk_rope_head_dim):
@@ -89,6 +86,11 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         # (the workers would fail to create it, each with a traceback of its own)
         raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: {why} (set by --kv-cache-dir, "
                              f"KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
+    try:  # the weights' headers (no tensor data): a missing, truncated or mismatched
+        # checkpoint ended every worker's start with a traceback of its own (exit 1)
+        check_checkpoint(cfg.model, mcfg)
+    except WeightsError as e:  # (names the file)
+        raise JobConfigError(f"model: {e}") from None
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     try:  # (the store locks OUT for this run: let go of it however the run ends)
         return _generate(cfg, prompts, out, store, tok, mcfg, t0, limit, progress)
