@@ -119,6 +119,13 @@ class JobConfig(_Frozen):
     def _repo_relative(cls, v: Path) -> Path:
         return v if v.is_absolute() else REPO_ROOT / v
 
+    @field_validator("kv_cache_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():  # (Path("") is the cwd: saved KV went there)
+            raise ValueError("must be a directory path, or null (unset) for no saved KV")
+        return v
+
     @field_validator("kv_cache_dir")
     @classmethod
     def _absolute_dir(cls, v: Path | None) -> Path | None:

@@ -166,13 +166,12 @@ def open_checkpoint(model_dir: str | Path) -> dict[str, TensorRef]:
     return refs
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig,
-                experts: dict[int, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Check every tensor's presence and shape against the name table, then read them as f32.
-
-    experts: {MoE layer: routed expert ids} = read only those experts (an expert-parallel
-    shard): `layers.{i}.experts.*` then stack the listed ids in that order, [len(ids), ...];
-    the others are checked but never read. None = every expert."""
+def check_checkpoint(model_dir: str | Path, cfg: ModelConfig
+                     ) -> tuple[dict[str, TensorRef], dict, dict[str, int]]:
+    """(tensors, name table, {kind: tensors recognized and not used}) of a checkpoint whose
+    headers name every tensor `cfg` needs, at its shape, and no unknown one; WeightsError
+    naming the file otherwise. Reads no tensor data (a job checks its model with it before
+    any worker starts)."""
     refs = open_checkpoint(model_dir)
     table = name_table(cfg)
     ignored: dict[str, int] = {}
@@ -187,8 +186,6 @@ def load_params(model_dir: str | Path, cfg: ModelConfig,
                         f"num_nextn_predict_layers={cfg.num_nextn_predict_layers} of {cfg.source})")
             raise WeightsError(f"{ref.file}: unknown tensor {name!r} {list(ref.shape)}{hint}")
         ignored[kind] = ignored.get(kind, 0) + 1
-    for kind, n in ignored.items():
-        log.info("%s: %d %s tensors recognized and not used", model_dir, n, kind)
     missing = [f"{n!r} {list(s.shape)}" for n, s in table.items() if n not in refs]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -198,6 +195,20 @@ def load_params(model_dir: str | Path, cfg: ModelConfig,
         if ref.shape != slot.shape:
             raise WeightsError(f"{ref.file}: tensor {name!r} has shape {list(ref.shape)}, "
                                f"expected {list(slot.shape)} from {cfg.source}")
+    return refs, table, ignored
+
+
+def load_params(model_dir: str | Path, cfg: ModelConfig,
+                experts: dict[int, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Check every tensor's presence and shape against the name table (check_checkpoint),
+    then read them as f32.
+
+    experts: {MoE layer: routed expert ids} = read only those experts (an expert-parallel
+    shard): `layers.{i}.experts.*` then stack the listed ids in that order, [len(ids), ...];
+    the others are checked but never read. None = every expert."""
+    refs, table, ignored = check_checkpoint(model_dir, cfg)
+    for kind, n in ignored.items():
+        log.info("%s: %d %s tensors recognized and not used", model_dir, n, kind)
     for i, ids in (experts or {}).items():  # (a bad id left an np.empty row of the stack)
         ids = np.asarray(ids).reshape(-1)
         bad = [int(j) for j in ids if not 0 <= int(j) < cfg.n_routed_experts]

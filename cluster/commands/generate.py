@@ -50,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, help="process at most N prompts this run")
     p.add_argument("--stats", type=Path, help="also write the run's figures as JSON here "
                    "(scheduler counters, per-worker experts and memory; `kvfleet soak` reads it)")
-    p.add_argument("--kv-cache-dir", type=Path,
+    p.add_argument("--kv-cache-dir",  # (a str: Path("") is the cwd, which JobConfig cannot tell)
                    help="save each request's KV here and resume prompts that share a prefix")
     p.set_defaults(func=run, interrupted=interrupted)
 
@@ -76,7 +76,7 @@ def flag_overrides(args) -> dict:
     if args.inprocess:
         o.setdefault("workers", {})["runtime"] = "inprocess"
     if args.kv_cache_dir is not None:
-        o["kv_cache_dir"] = str(args.kv_cache_dir)
+        o["kv_cache_dir"] = args.kv_cache_dir
     return o
 
 

@@ -59,7 +59,9 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
     """`limit` = admit at most that many runnable prompts (the rest waits for a rerun)."""
     t0 = time.perf_counter()
     from workers.config import ConfigError, ModelConfig
+    from workers.safetensors_io import WeightsError
     from workers.tokenizer import Tokenizer, TokenizerError
+    from workers.weights import check_checkpoint
     if not (cfg.model / "config.json").exists():
         raise JobConfigError(f"model: {cfg.model} has no config.json (set `model:` in the "
                              f"config, --model, or KVFLEET_MODEL)")
@@ -80,10 +82,15 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
                     mcfg.max_position_embeddings, cfg.model / "config.json")
     if cfg.kv_cache_dir is not None and (why := unsupported_reason(mcfg)):
         raise JobConfigError(f"model {cfg.model}: {why}")
-    if cfg.kv_cache_dir is not None and cfg.kv_cache_dir.exists() and not cfg.kv_cache_dir.is_dir():
+    if cfg.kv_cache_dir is not None and (why := _dir_error(cfg.kv_cache_dir)):
         # (the workers would fail to create it, each with a traceback of its own)
-        raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: exists and is not a directory "
-                             f"(set by --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
+        raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: {why} (set by --kv-cache-dir, "
+                             f"KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
+    try:  # the weights' headers (no tensor data): a missing, truncated or mismatched
+        # checkpoint ended every worker's start with a traceback of its own (exit 1)
+        check_checkpoint(cfg.model, mcfg)
+    except WeightsError as e:  # (names the file)
+        raise JobConfigError(f"model: {e}") from None
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     try:  # (the store locks OUT for this run: let go of it however the run ends)
         return _generate(cfg, prompts, out, store, tok, mcfg, t0, limit, progress)
@@ -99,6 +106,15 @@ def _generate(cfg: JobConfig, prompts, out, store: ResultStore, tok, mcfg, t0: f
         lines = list(read_requests(prompts))
     except OSError as e:
         raise JobConfigError(f"--prompts {prompts}: {e.strerror}") from None
+    keys = {result_key(item.id, item.line) for item in lines}
+    if done and not keys & done.keys():
+        # finalize keeps only the current lines' rows: an empty prompts file (a failed
+        # download, a `>` for a `>>`) or another batch's wiped every finished row, exit 0
+        raise JobConfigError(
+            f"--out {out}: holds {len(done)} finished rows (ids e.g. {sorted(done)[:3]}), none "
+            f"for a line of --prompts {prompts} ({len(lines)} requests"
+            f"{', ids e.g. ' + str(sorted(keys)[:3]) if keys else ''}): this run would "
+            f"leave none of them. Give another --out, or move {out} away to start over")
     for item in lines:
         key = result_key(item.id, item.line)
         if key in done:
@@ -159,6 +175,19 @@ def _generate(cfg: JobConfig, prompts, out, store: ResultStore, tok, mcfg, t0: f
                 list(getattr(group, "final_stats", [])))
     log.info("generate: %s", s.line())
     return s
+
+
+def _dir_error(d: Path) -> str | None:
+    """Why `os.makedirs(d, exist_ok=True)` (kvstore/slots.py, on each worker) fails on this
+    host because of what is on the way, else None."""
+    up = d
+    while not os.path.lexists(up) and up != up.parent:
+        up = up.parent
+    if up.is_dir():
+        return None
+    if up == d:
+        return "exists and is not a directory"
+    return f"cannot be made: {up} is not a directory (a file, or a link that does not resolve)"
 
 
 def _settings(cfg: JobConfig) -> dict[str, object]:

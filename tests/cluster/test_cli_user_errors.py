@@ -87,6 +87,36 @@ def test_generate_kv_cache_dir_that_is_a_file(tiny, tmp_path, capsys):
     assert "--kv-cache-dir" in err
 
 
+def test_generate_kv_cache_dir_that_cannot_be_made(tiny, tmp_path, capsys):
+    """A file or a dangling link on its path: each worker's makedirs raised (in-process a
+    NotADirectoryError traceback; through Ray "all 1 worker actors died while starting")."""
+    f = tmp_path / "notes.txt"
+    f.write_text("not a dir")
+    (tmp_path / "gone").symlink_to(tmp_path / "unmounted" / "share")
+    for d, on_way in ((f / "cache", f), (f / "a" / "b", f), (tmp_path / "gone" / "kv", tmp_path / "gone")):
+        out = tmp_path / "o.parquet"
+        code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(out), "--kv-cache-dir", str(d)))
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"kv_cache_dir {d}: cannot be made: {on_way} is not a directory" in err, err
+        assert "--kv-cache-dir" in err and not out.exists()
+    assert f.read_text() == "not a dir"
+
+
+def test_generate_empty_kv_cache_dir_is_refused_not_the_cwd(tiny, tmp_path, capsys, monkeypatch):
+    """`--kv-cache-dir "$CACHE"` with CACHE unset, or `kv_cache_dir: ""`, is Path(""): the
+    job saved every request's KV into the working directory, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text('kv_cache_dir: ""\n')
+    for extra, source in ((["--kv-cache-dir", ""], "(from flags)"),
+                          (["--config", str(job)], f"{job}: kv_cache_dir:")):
+        out = tmp_path / "o.parquet"
+        code, err = run_cli(capsys, *gen_args(tiny, tmp_path, "--out", str(out), *extra))
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "kv_cache_dir" in err and source in err and "must be a directory path" in err, err
+        assert not out.exists() and not list(tmp_path.glob("*.arrow*")), list(tmp_path.iterdir())
+
+
 def test_generate_empty_prompts_file_warns(tiny, tmp_path, caplog):
     from cluster.jobs.generate import run_generate
     from runtime_helpers import job_config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,6 +202,36 @@ def test_bad_model_dir_is_a_usage_error(tiny, tmp_path):
             run_generate(config(model), prompts, tmp_path / "out.parquet", progress=False)
 
 
+def test_bad_weights_are_a_usage_error_before_any_worker_starts(tiny, tmp_path, capsys):
+    """A model dir whose weights are missing, cut short (an interrupted download) or of
+    another shape is one line naming the file, exit 2, with nothing written; the workers
+    found it as they loaded, each with a traceback (exit 1; through Ray "all 1 worker
+    actors died while starting")."""
+    import shutil
+    from cluster.cli import main
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    cut, gone, other = (shutil.copytree(tiny, tmp_path / n) for n in ("cut", "gone", "other"))
+    weights = cut / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    (gone / "model.safetensors").unlink()
+    c = json.loads((other / "config.json").read_text())
+    c["moe_intermediate_size"] *= 2  # (the same tensors, other shapes than the config's)
+    (other / "config.json").write_text(json.dumps(c))
+    job = tmp_path / "job.yaml"
+    job.write_text("workers: {runtime: inprocess}\n")
+    for model, said in ((cut, f"{weights}: truncated safetensors file"),
+                        (gone, f"{gone}: no model.safetensors"),
+                        (other, f"{other / 'model.safetensors'}: tensor .* has shape")):
+        out = tmp_path / f"{model.name}.parquet"
+        assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--config",
+                     str(job), "--model", str(model)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert re.search(f"^kvfleet generate: error: model: {said}", err), err
+        assert not list(tmp_path.glob(f"{model.name}.parquet*"))
+
+
 def test_unreadable_or_foreign_out_is_a_usage_error(tmp_path):
     """An --out that is not a kvfleet results file is a JobConfigError naming it (exit 2);
     it was a RuntimeError, a traceback from the CLI."""
@@ -385,6 +416,39 @@ def test_resume_after_editing_the_prompts_keeps_one_row_per_current_line(tiny, t
         run_generate(config(tiny), write_lines(tmp_path / "p.jsonl", lines), out, progress=False)
         t = pq.read_table(out)
         assert list(zip(t.column("id").to_pylist(), t.column("line").to_pylist())) == want
+
+
+def test_a_rerun_that_would_leave_none_of_the_finished_rows_is_refused(tiny, tmp_path, capsys):
+    """Rerun on an OUT with an empty prompts file (a failed download, `>` for `>>`), a blank
+    one or another batch's ids: finalize keeps only the current lines' rows, so every
+    finished row was wiped, exit 0. It is one line naming --out and --prompts, exit 2, OUT
+    unchanged. An OUT of error rows alone (nothing finished to lose) is no reason to refuse."""
+    from cluster.cli import main
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {tiny}\nmax_context: 64\nworkers: {{runtime: inprocess}}\n")
+    out = tmp_path / "out.parquet"
+
+    def gen(prompts: Path) -> int:
+        return main(["generate", "--prompts", str(prompts), "--out", str(out), "--config", str(job)])
+
+    assert gen(write_lines(tmp_path / "p.jsonl", prompt_lines(3))) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    other = write_lines(tmp_path / "other.jsonl", [json.dumps({"id": "z", "prompt": "fox"})])
+    for prompts in (write_lines(tmp_path / "empty.jsonl", []),
+                    write_lines(tmp_path / "blank.jsonl", ["", "  \t", ""]), other):
+        assert gen(prompts) == 2, prompts
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert (f"--out {out}: holds 3 finished rows" in err and f"--prompts {prompts}" in err
+                and "move" in err), err
+        assert out.read_bytes() == before and not list(tmp_path.glob("out.parquet.*"))
+    errors_only = tmp_path / "errors.parquet"
+    bad = write_lines(tmp_path / "bad.jsonl", [json.dumps({"prompt": "no id"})])
+    for prompts, rows in ((bad, [None]), (other, ["z"])):
+        assert main(["generate", "--prompts", str(prompts), "--out", str(errors_only),
+                     "--config", str(job)]) == 0
+        assert pq.read_table(errors_only).column("id").to_pylist() == rows
 
 
 def test_resume_redoes_a_line_whose_request_changed(tiny, tmp_path):
