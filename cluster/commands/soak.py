@@ -81,8 +81,8 @@ def run(args) -> int:
 def _warn_fallbacks(summary: dict) -> None:
     """One stderr line per arm whose rounds fell back from a native path (each round's
     generate warns only in its own log): that arm's figures are the slower path's."""
-    for key, label in summary["labels"].items():
-        fell = summary["metrics"].get(key, {}).get("counters", {}).get("fallbacks") or {}
+    for key, label in summary.get("labels", {}).items():
+        fell = summary.get("metrics", {}).get(key, {}).get("counters", {}).get("fallbacks") or {}
         if fell:
             print(f"soak: warning: arm {key} ({label}) fell back from native paths in its rounds: "
                   + ", ".join(f"{path} {n}x" for path, n in sorted(fell.items()))
