@@ -57,7 +57,13 @@ def _run(module, args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     if model is not None and not (model / "config.json").is_file():
         raise UsageError(f"--model {model}: no config.json in that directory")
-    result = module.run(args)
+    from workers.config import ConfigError
+    from workers.safetensors_io import WeightsError
+    from workers.tokenizer import TokenizerError
+    try:
+        result = module.run(args)
+    except (ConfigError, WeightsError, TokenizerError) as e:  # a broken checkpoint, as score says
+        raise UsageError(f"--model {model}: {e}" if model is not None else str(e)) from None
     if not isinstance(result, dict):
         return int(result or 0)  # the module printed its own report
     print(json.dumps(result, indent=2) if args.json else module.render(result))

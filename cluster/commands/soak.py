@@ -5,7 +5,8 @@
                  [--round-timeout 30m]
 
 Exit code 0 when the gate (thresholds in A's `soak.gate`) passes, 1 when it fails (the
-failing metrics are printed), 2 on bad input.
+failing metrics are printed), 2 on bad input. An arm whose rounds fell back from a native
+path (kvfleet_fallbacks) is named on stderr with the paths and counts.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def run(args) -> int:
     gate = summary["gate"]
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
           + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
+    _warn_fallbacks(summary)
     f = summary["faults"]
     tested = f["kills"] - f.get("kills_unseen", 0) - f.get("kills_unknown", 0)
     if plan.kill_every_s and not tested:  # (a pass that tested no recovery)
@@ -74,3 +76,15 @@ def run(args) -> int:
               f"that a round's job found dead: {why}; give a shorter interval, more prompts, or "
               f"at least two workers", file=sys.stderr)
     return code
+
+
+def _warn_fallbacks(summary: dict) -> None:
+    """One stderr line per arm whose rounds fell back from a native path (each round's
+    generate warns only in its own log): that arm's figures are the slower path's."""
+    for key, label in summary.get("labels", {}).items():
+        fell = summary.get("metrics", {}).get(key, {}).get("counters", {}).get("fallbacks") or {}
+        if fell:
+            print(f"soak: warning: arm {key} ({label}) fell back from native paths in its rounds: "
+                  + ", ".join(f"{path} {n}x" for path, n in sorted(fell.items()))
+                  + f"; its figures are those of the slower path (summary.json "
+                    f"metrics.{key}.counters.fallbacks)", file=sys.stderr)

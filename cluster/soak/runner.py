@@ -1,9 +1,9 @@
 """`kvfleet soak`: the same prompts on arm A and (optionally) arm B, interleaved A B A B, each
 round one `python -m cluster generate` run on a shared Ray cluster, until --rounds are done
 or --duration is spent. A round that has started runs to its end: past the duration it
-still gets twice the longest earlier round (so the last round of a --duration soak is
-not killed for running late), and a round that takes longer than its limit is a timeout
-whose unserved requests count as lost. A round whose run exits non-zero (it crashed, was
+still gets twice the longest earlier round of its arm (so the last round of a --duration soak
+is not killed for running late, nor a slower B for being slower than A), and a round that
+takes longer than its limit is a timeout whose unserved requests count as lost. A round whose run exits non-zero (it crashed, was
 killed, or rows failed at run time: generate's exit status 1) or times out, or whose rows
 hold errors made at run time (a worker's step raised, no live worker was left: an arm
 running an older build exits 0 on those), is a failed round: the gate's max_failed_rounds
@@ -126,7 +126,8 @@ def _served_keys(req: pd.DataFrame) -> set[str]:
 
 def round_timeout(plan: SoakPlan, deadline: float, walls: list[float]) -> float:
     """Seconds a round may run: round_timeout_s, at most the time left to the duration but
-    never less than twice the longest earlier round (the first round: round_timeout_s)."""
+    never less than twice the longest of `walls`, its arm's earlier rounds (an arm's first
+    round: round_timeout_s; the other arm's rounds say nothing of this one's speed)."""
     if not walls:
         return plan.round_timeout_s
     return max(1.0, min(plan.round_timeout_s,
@@ -378,7 +379,8 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 if killer:
                     killer.round = (rnd, arm.key)
                 log.info("soak round %d arm %s (%s)", rnd, arm.key, arm.label)
-                timeout = round_timeout(plan, deadline, [r["wall_s"] for r in rows])
+                timeout = round_timeout(plan, deadline,
+                                        [r["wall_s"] for r in rows if r["arm"] == arm.key])
                 meta = _run_round(plan, arm, rnd, address, timeout)
                 row, req = _round_rows(meta, expected)
                 rows.append(row)

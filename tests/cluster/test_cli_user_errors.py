@@ -199,6 +199,33 @@ def test_bench_attention_cpu_says_how_t_was_divided(capsys):
     assert doc["cpu_divide"] == 64 and doc["rows"][0]["T"] == 16
 
 
+@pytest.mark.parametrize("bench,broken", [
+    (b, k) for b in ("codecs", "quality") for k in ("no_weights", "truncated_weights", "bad_config")
+] + [("quality", "no_tokenizer")])  # (bench codecs reads no tokenizer)
+def test_bench_model_with_a_broken_checkpoint_names_the_flag(tiny, tmp_path, capsys, bench,
+                                                            broken):
+    """A WeightsError / ConfigError / TokenizerError traceback, exit 1 (score and generate
+    said it in one line, exit 2)."""
+    d = tmp_path / broken
+    d.mkdir()
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        (d / f).write_bytes((tiny / f).read_bytes())
+    if broken == "no_weights":
+        (d / "model.safetensors").unlink()
+    elif broken == "truncated_weights":
+        data = (tiny / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) * 9 // 10])
+    elif broken == "bad_config":
+        (d / "config.json").write_text('{"hidden_size": 64,')
+    else:
+        (d / "tokenizer.json").unlink()
+    extra = (["--rows", "2", "--tokens", "16", "--heads", "1", "--repeat", "1"] if bench == "codecs"
+             else ["--items", "1", "--contexts", "32"])
+    code, err = run_cli(capsys, "bench", bench, "--model", str(d), *extra)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"kvfleet bench: error: --model {d}: {d}")
+
+
 # -- soak ---------------------------------------------------------------------------------
 SOAK = ROOT / "configs" / "soak"
 

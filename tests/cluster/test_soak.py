@@ -148,3 +148,23 @@ def test_a_round_whose_rows_fail_at_run_time_is_a_failed_round(setup, monkeypatc
     assert c["runtime_errors"] == 6 and c["worker_deaths"] == 1 and c["recoveries"] == 0
     stats = json.loads((out / "rounds" / "r000_A.stats.json").read_text())
     assert stats["runtime_errors"] == 6 and stats["errors"] == 6
+
+
+def test_an_arm_that_fell_back_is_named_on_stderr(setup, capsys, monkeypatch):
+    """B's rounds ran polar3 through the numpy row rebuild (cpu.polar_rebuild_rows) and the
+    soak said only 'gate passed': the warning was in the round's own log alone."""
+    d, prompts, a, _ = setup
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    polar = d / "polar3.yaml"
+    cfg = yaml.safe_load(a.read_text())
+    cfg.update(kv="polar3", soak={"label": "polar3"})
+    polar.write_text(yaml.safe_dump(cfg))
+    main(["soak", "--config", str(a), "--vs", str(polar), "--prompts", str(prompts),
+          "--rounds", "1", "--out", str(d / "fell")])
+    err = capsys.readouterr().err
+    n = json.loads((d / "fell" / "summary.json").read_text())["metrics"]["B"]["counters"][
+        "fallbacks"]["cpu.polar_rebuild_rows"]
+    assert n > 0
+    assert (f"soak: warning: arm B (polar3) fell back from native paths in its rounds: "
+            f"cpu.polar_rebuild_rows {n}x") in err
+    assert "arm A (f32) fell back" not in err

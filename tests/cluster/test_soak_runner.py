@@ -767,3 +767,27 @@ def test_the_round_timeout_is_a_flag(tmp_path, monkeypatch, capsys):
     assert s["failed_rounds"] == [{"round": 0, "arm": "A", "returncode": "timeout",
                                    "runtime_errors": 0}]
     assert s["faults"]["lost_requests"] == 4
+
+
+def test_a_slower_b_past_the_duration_is_measured_not_timed_out(tmp_path, monkeypatch):
+    """B's round was limited to twice A's longest round once the duration was spent: a
+    build 3x slower than its baseline (a regression to measure) was killed as a timeout, its
+    requests counted lost and no ratio measured. Each arm's limit follows its own rounds."""
+    def build(name: str, sleep_s: float):
+        d = tmp_path / name
+        (d / "cluster").mkdir(parents=True)
+        (d / "cluster" / "__main__.py").write_text(
+            f"import time\ntime.sleep({sleep_s})\n" + FAKE_GENERATE.replace("sys.exit(3)", ""))
+        (d / f"{name}.yaml").write_text(f"kv: kv8\nsoak:\n  working_dir: .\n  label: {name}\n")
+        return load_arm(d / f"{name}.yaml", "A" if name == "fast" else "B")
+
+    _no_ray(monkeypatch)
+    plan = runner.SoakPlan(arms=[build("fast", 0.0), build("slow", 6.0)],
+                           prompts=_prompts(tmp_path), out=tmp_path / "soak", duration_s=0.1,
+                           round_timeout_s=120.0)
+    summary, _ = runner.run_soak(plan)
+    rounds = pd.read_parquet(tmp_path / "soak" / "rounds.parquet")
+    a, b = rounds.wall_s.tolist()
+    assert b > 2 * a  # (what the old limit, 2x A's round, cut)
+    assert summary["failed_rounds"] == [] and summary["faults"]["lost_requests"] == 0
+    assert summary["ratio_B_over_A"]["wall_s"]["n"] == 1
