@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.cli import UsageError
+from cluster.yaml_config import DuplicateKeyError, load_yaml
 from kernels.tiers import TIERS, get_tier
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,9 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
         except UnicodeDecodeError as e:
             raise JobConfigError(f"config {source}: not UTF-8 text (byte {e.start})") from None
         try:
-            loaded = yaml.safe_load(text)
+            loaded = load_yaml(text)
+        except DuplicateKeyError as e:  # (PyYAML kept the last: `slots: 8` then 9 ran with 9)
+            raise JobConfigError(f"{source}: {e}") from None
         except yaml.YAMLError as e:
             raise JobConfigError(f"{source}: not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):

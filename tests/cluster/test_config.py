@@ -72,6 +72,32 @@ def test_bad_files(tmp_path):
         load_job_config(write(tmp_path, "- 1\n- 2\n"), env={})
 
 
+@pytest.mark.parametrize("text, line, key, first", [
+    ("model: m\nslots: 8\nslots: 9\n", 3, "slots", 2),  # (it ran with 9)
+    ("sampling:\n  temperature: 0.5\n  seed: 1\n  temperature: 0\n", 4, "temperature", 2),
+    ("workers: {count: 2, count: 1}\n", 1, "count", 1),
+    ("sampling: {seed: 1}\nkv: kv8\nsampling: {seed: 2}\n", 3, "sampling", 1),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, capsys, text, line, key, first):
+    """PyYAML keeps the last of two equal keys, silently."""
+    path = write(tmp_path, text)
+    said = (f"{path}: line {line}: key '{key}' is given twice in one mapping (first on line "
+            f"{first}); YAML would keep only the last")
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(path, env={})
+    assert str(e.value) == said
+    from cluster.cli import main
+    assert main(["generate", "--prompts", str(path), "--out", str(tmp_path / "o.parquet"),
+                 "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"kvfleet generate: error: {said}\n"
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_a_merge_keys_override_is_not_a_repeat(tmp_path):
+    path = write(tmp_path, "workers: {<<: {count: 2, num_cpus: 2}, count: 3}\n")
+    assert load_job_config(path, env={}).workers.count == 3
+
+
 @pytest.mark.parametrize("env, tier", [
     ({"KV8": "1"}, "kv8"),
     ({"KV8": "0"}, "f32"),
