@@ -333,3 +333,28 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
     return _validate(_merge(_merge(data, from_env), overrides or {}),
                      source + (" + environment" if from_env else "")
                      + (" + flags" if overrides else ""), origin)
+
+
+# Every KVFLEET_ variable some code reads: the job fields above, and the backends' own knobs
+# (kernels/metal/backend.py; kernels/cuda/attention.py, kernels/cuda/_build.py). A test
+# checks that every KVFLEET_ name in the source is here, so that the list cannot go stale.
+KNOWN_ENV = frozenset(ENV_FIELDS) | {
+    "KVFLEET_METAL",
+    "KVFLEET_CUDA_PDL", "KVFLEET_CUDA_WGMMA", "KVFLEET_CUDA_TMA", "KVFLEET_CUDA_KV8_CVT",
+    "KVFLEET_CUDA_WG_TUNING", "KVFLEET_CUDA_LINEINFO", "KVFLEET_CUDA_PTXAS_V",
+}
+
+
+def warn_unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """Warns once per KVFLEET_ variable of `env` that no code reads, with the closest known
+    name (as vLLM warns of an unknown VLLM_ one): a misspelt one (KVFLEET_SLOTS without its
+    S) was ignored silently. Not an error: another build's variable may be meant. Returns
+    their names."""
+    import difflib
+    env = os.environ if env is None else env
+    names = sorted(k for k in env if k.startswith("KVFLEET_") and k not in KNOWN_ENV)
+    for name in names:
+        close = difflib.get_close_matches(name, sorted(KNOWN_ENV), n=1)
+        log.warning("environment %s is not a kvfleet variable: it is ignored%s", name,
+                    f" (did you mean {close[0]}?)" if close else "")
+    return names

@@ -290,3 +290,44 @@ def test_a_job_config_with_fleet_fields_keeps_its_own_error(tmp_path, text):
     with pytest.raises(JobConfigError) as e:
         load_job_config(write(tmp_path, text), env={})
     assert "is a fleet file" not in str(e.value) and "Extra inputs" in str(e.value)
+
+
+def test_every_kvfleet_variable_the_source_names_is_known():
+    """KNOWN_ENV cannot go stale: a KVFLEET_ name anywhere in the code (a read, a message)
+    is in it; a name ending in `_` (KVFLEET_CUDA_*) is a prefix of known ones."""
+    import re
+    from cluster.config import KNOWN_ENV
+    found = {}
+    for pkg in ("cluster", "workers", "kvstore", "kernels", "scripts", "models"):
+        for path in (REPO_ROOT / pkg).rglob("*.py"):
+            for name in re.findall(r"KVFLEET_[A-Z0-9_]+", path.read_text(encoding="utf-8")):
+                found.setdefault(name, path)
+    assert len(found) >= 20
+    for name, path in sorted(found.items()):
+        if name.endswith("_"):
+            assert any(k.startswith(name) for k in KNOWN_ENV), (name, path)
+        else:
+            assert name in KNOWN_ENV, f"{name} (in {path}) is not in cluster/config.py KNOWN_ENV"
+
+
+def test_a_misspelt_kvfleet_variable_warns_once_with_the_close_name(tmp_path, monkeypatch,
+                                                                    caplog, capsys):
+    """KVFLEET_SLOT=16 was ignored silently; now a warning, not a refusal."""
+    from cluster.cli import main
+    for k in [k for k in __import__("os").environ if k.startswith("KVFLEET_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVFLEET_SLOT", "16")
+    monkeypatch.setenv("KVFLEET_TEMPERATUR", "0.5")
+    monkeypatch.setenv("KVFLEET_ZZZZZZZZZZZZZZZZ", "1")
+    monkeypatch.setenv("KVFLEET_SLOTS", "2")  # (known: no warning)
+    monkeypatch.setenv("KVFLEET_CUDA_PDL", "0")
+    caplog.set_level(logging.WARNING)
+    assert main(["generate", "--prompts", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "o.parquet")]) == 2  # (no such file: after the check)
+    said = sorted(r.getMessage() for r in caplog.records if "not a kvfleet variable" in r.getMessage())
+    assert said == [
+        "environment KVFLEET_SLOT is not a kvfleet variable: it is ignored (did you mean KVFLEET_SLOTS?)",
+        "environment KVFLEET_TEMPERATUR is not a kvfleet variable: it is ignored (did you mean "
+        "KVFLEET_TEMPERATURE?)",
+        "environment KVFLEET_ZZZZZZZZZZZZZZZZ is not a kvfleet variable: it is ignored"]
+    assert "--prompts" in capsys.readouterr().err
