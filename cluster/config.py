@@ -50,7 +50,8 @@ class _Frozen(BaseModel):
 class Sampling(_Frozen):
     """Per-request defaults; a prompt line may override each of them."""
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
+    # 0 = greedy; at most float32's largest, as the samplers take it (cluster/requests.py)
+    temperature: float = Field(0.0, ge=0.0, le=3.4028234663852886e38, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = Field(0, ge=0, lt=2 ** 64)  # (uint64, as the samplers' counters; a line
     # without a seed gets one mixed from this and its id: cluster/jobs/generate.request_seed)

@@ -45,6 +45,7 @@ def test_yaml_fields_and_frozen(tmp_path):
 @pytest.mark.parametrize("text, where", [
     ("slotz: 3\n", "slotz"),
     ("sampling: {temperature: hot}\n", "sampling.temperature"),
+    ("sampling: {temperature: 1.0e+300}\n", "sampling.temperature"),  # (inf as float32)
     ("sampling: {max_tokens: 0}\n", "sampling.max_tokens"),
     ("workers: {count: 1, extra: 2}\n", "workers.extra"),
     ("kv: tq3\n", "kv"),
@@ -131,6 +132,7 @@ def test_env_tq_wins_over_kv8_with_a_warning(caplog):
     ({"KVFLEET_SLOTS": "0"}, r"slots \(from KVFLEET_SLOTS\)"),
     ({"KVFLEET_SEED": "-1"}, r"sampling.seed \(from KVFLEET_SEED\)"),
     ({"KVFLEET_TEMPERATURE": "inf"}, r"sampling.temperature \(from KVFLEET_TEMPERATURE\)"),
+    ({"KVFLEET_TEMPERATURE": "1e39"}, r"sampling.temperature \(from KVFLEET_TEMPERATURE\)"),
     ({"KVFLEET_TOP_P": "2"}, r"sampling.top_p \(from KVFLEET_TOP_P\)"),
 ])
 def test_env_errors_name_the_variable(env, match):

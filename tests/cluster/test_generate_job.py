@@ -110,6 +110,9 @@ def test_bad_input_lines_get_error_rows(tiny, tmp_path, reference):
              "cannot read its JSON: Exceeds the limit"),
         25: ('{"id": "n", "prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}",
              "nested too deeply"),
+        # past float32's range, which the samplers take: was inf there (uniform draws)
+        26: (json.dumps({"id": "i", "prompt": "x", "temperature": 1e300}), "'temperature'=1e+300"),
+        27: (json.dumps({"id": "j", "prompt": "x", "temperature": 3.41e38}), "at most 3.402823e+38"),
     }
     lines = list(good)
     for at in sorted(bad):  # 1-based line numbers in the final file
