@@ -53,6 +53,7 @@ class ResultStore:
         self._buf: list[Result] = []
         self._last_flush = time.monotonic()
         self._unchecked: set[Path] = set()  # files without a digest, said once each
+        self._read_once: dict[Path, ResultsFile] = {}  # _check_settings' reads, for done_keys
         if self.out.is_dir():  # (read back as an empty dataset: "missing every column")
             raise JobConfigError(f"--out {self.out}: is a directory; give the results file to "
                                  f"write, e.g. {self.out / 'results.parquet'}")
@@ -81,7 +82,7 @@ class ResultStore:
 
     def _check_settings(self) -> None:
         for path in self._sources():
-            earlier = self._read(path)
+            earlier = self._read_once[path] = self._read(path)
             found = earlier.settings
             if found is None:  # written before settings were recorded: its rows' tier at least
                 tiers = set(earlier.table.column("tier").to_pylist())
@@ -126,7 +127,9 @@ class ResultStore:
         return sorted(p for p in self.parts.iterdir() if PART.match(p.name))
 
     def _tables(self) -> list[pa.Table]:
-        return [self._read(p).table for p in self._sources()]
+        # (a file read at the start is read once: OUT and the parts there were do not change
+        # before finalize writes OUT)
+        return [(self._read_once.pop(p, None) or self._read(p)).table for p in self._sources()]
 
     def done_keys(self) -> dict[str, str | None]:
         """Key -> request digest of the newest row of each key, for the keys whose newest
