@@ -30,9 +30,9 @@ from cluster.requests import LATER_COLUMNS, SCHEMA
 SETTINGS_KEY = b"kvfleet.settings"
 DIGEST_KEY = b"kvfleet.digest"
 # what pyarrow may raise on a damaged file: its own errors (ArrowInvalid for a bad page,
-# OSError for a checksum or a footer that does not parse), and a length field that
-# decodes too big to allocate
-_READ_ERRORS = (OSError, pa.ArrowException, ValueError, MemoryError)
+# OSError for a checksum or a footer that does not parse, ArrowMemoryError for a length that
+# decodes too big), and UnicodeDecodeError (a ValueError) for a column name that is not UTF-8
+_READ_ERRORS = (OSError, pa.ArrowException, ValueError)
 
 
 class ResultsFileError(Exception):
