@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.cli import UsageError
+from cluster.yaml_config import DuplicateKeyError, load_yaml
 from kernels.tiers import TIERS, get_tier
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class _Frozen(BaseModel):
 class Sampling(_Frozen):
     """Per-request defaults; a prompt line may override each of them."""
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # 0 = greedy
+    # 0 = greedy; at most float32's largest, as the samplers take it (cluster/requests.py)
+    temperature: float = Field(0.0, ge=0.0, le=3.4028234663852886e38, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = Field(0, ge=0, lt=2 ** 64)  # (uint64, as the samplers' counters; a line
     # without a seed gets one mixed from this and its id: cluster/jobs/generate.request_seed)
@@ -304,7 +306,9 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
         except UnicodeDecodeError as e:
             raise JobConfigError(f"config {source}: not UTF-8 text (byte {e.start})") from None
         try:
-            loaded = yaml.safe_load(text)
+            loaded = load_yaml(text)
+        except DuplicateKeyError as e:  # (PyYAML kept the last: `slots: 8` then 9 ran with 9)
+            raise JobConfigError(f"{source}: {e}") from None
         except yaml.YAMLError as e:
             raise JobConfigError(f"{source}: not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -330,3 +334,28 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
     return _validate(_merge(_merge(data, from_env), overrides or {}),
                      source + (" + environment" if from_env else "")
                      + (" + flags" if overrides else ""), origin)
+
+
+# Every KVFLEET_ variable some code reads: the job fields above, and the backends' own knobs
+# (kernels/metal/backend.py; kernels/cuda/attention.py, kernels/cuda/_build.py). A test
+# checks that every KVFLEET_ name in the source is here, so that the list cannot go stale.
+KNOWN_ENV = frozenset(ENV_FIELDS) | {
+    "KVFLEET_METAL",
+    "KVFLEET_CUDA_PDL", "KVFLEET_CUDA_WGMMA", "KVFLEET_CUDA_TMA", "KVFLEET_CUDA_KV8_CVT",
+    "KVFLEET_CUDA_WG_TUNING", "KVFLEET_CUDA_LINEINFO", "KVFLEET_CUDA_PTXAS_V",
+}
+
+
+def warn_unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """Warns once per KVFLEET_ variable of `env` that no code reads, with the closest known
+    name (as vLLM warns of an unknown VLLM_ one): a misspelt one (KVFLEET_SLOTS without its
+    S) was ignored silently. Not an error: another build's variable may be meant. Returns
+    their names."""
+    import difflib
+    env = os.environ if env is None else env
+    names = sorted(k for k in env if k.startswith("KVFLEET_") and k not in KNOWN_ENV)
+    for name in names:
+        close = difflib.get_close_matches(name, sorted(KNOWN_ENV), n=1)
+        log.warning("environment %s is not a kvfleet variable: it is ignored%s", name,
+                    f" (did you mean {close[0]}?)" if close else "")
+    return names

@@ -35,6 +35,7 @@ from cluster import planner
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import ProbeError
 from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
+from cluster.yaml_config import DuplicateKeyError, load_yaml
 from kernels.tiers import get_tier
 
 
@@ -194,39 +195,12 @@ class Fleet(_Frozen):
         except UnicodeDecodeError as e:
             raise FleetError(f"{path}: the fleet file is not UTF-8 text (byte {e.start})") from None
         try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)
-        except _DuplicateKey as e:
+            data = load_yaml(text)
+        except DuplicateKeyError as e:
             raise FleetError(f"{path}: {e}") from None
         except yaml.YAMLError as e:
             raise FleetError(f"{path}: not valid YAML: {e}") from None
         return cls.from_dict(data, source=str(path))
-
-
-class _DuplicateKey(yaml.YAMLError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load, except that a key given twice in one mapping is an error: PyYAML keeps
-    the last one silently, so a second `nodes:` block dropped the first block's nodes from the
-    plan, and a node's second `memory:` replaced its first."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # (`<<: *base` then a key: an override)
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: the base class says so
-                break
-            if first is not None:
-                raise _DuplicateKey(f"line {line}: key {key!r} is given twice in one mapping "
-                                    f"(first on line {first}); YAML would keep only the last")
-            seen[key] = line
-        return super().construct_mapping(node, deep)
 
 
 def _describe(source: str, err: dict) -> str:

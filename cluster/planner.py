@@ -140,11 +140,31 @@ def expert_order(moe_layers: Sequence[int], n_experts: int, usage: np.ndarray | 
         order = np.argsort(spread, kind="stable")
     else:
         usage = np.asarray(usage, dtype=np.float64)
-        if usage.shape != (n_l, n_experts) or not np.isfinite(usage).all():
-            raise PlanError(f"expert usage must be finite counts of shape {(n_l, n_experts)} "
-                            f"(MoE layers x routed experts), got shape {usage.shape}")
+        if why := _counts_error(usage, [(n_l, n_experts)]):
+            raise PlanError(why)
         order = np.lexsort((spread, -usage.ravel()))
     return np.stack([layers[li.ravel()[order]], ei.ravel()[order].astype(np.int32)], axis=1)
+
+
+def usage_error(fp: Footprint, usage: np.ndarray) -> str | None:
+    """Why `usage` cannot be the expert usage counts of `fp` (split_experts takes them), else
+    None: a row per MoE layer the job runs, or per MoE layer of the checkpoint (MTP ones
+    too), a column per routed expert; finite counts >= 0."""
+    e = fp.config.n_routed_experts
+    return _counts_error(np.asarray(usage, dtype=np.float64),
+                         list(dict.fromkeys([(len(fp.run_moe_layers), e), (len(fp.moe_layers), e)])))
+
+
+def _counts_error(usage: np.ndarray, shapes: list[tuple[int, int]]) -> str | None:
+    if usage.shape not in shapes:
+        return (f"expert usage counts must have shape {' or '.join(map(str, shapes))} (MoE "
+                f"layers x routed experts), got shape {usage.shape}")
+    bad = np.flatnonzero(~(np.isfinite(usage) & (usage >= 0)))  # (NaN fails both)
+    if bad.size:
+        row, col = np.unravel_index(bad[0], usage.shape)
+        return (f"expert usage counts must be finite and >= 0, got {usage[row, col]} at row "
+                f"{row}, expert {col} ({bad.size} such)")
+    return None
 
 
 def _per_worker(expert_bytes: int | Sequence[int], n: int) -> list[int]:

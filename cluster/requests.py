@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,6 +22,9 @@ import pyarrow as pa
 FIELDS = {"id", "prompt", "prompt_tokens", "max_tokens", "temperature", "top_p", "seed", "stop",
           "cache"}
 MAX_CACHE_NAME = 1024
+# the samplers take temperature and top_p as float32 (workers/actor.py StepBatch): a larger
+# value became inf there (1e300: a RuntimeWarning, then uniform draws over the vocabulary)
+FLOAT32_MAX = 3.4028234663852886e38
 FINISH_REASONS = ("stop", "length", "error")
 
 
@@ -192,7 +194,8 @@ def parse_line(text: str, line: int) -> Request | InputError:
     kw = {}
     for name, kind, ok, rule in (
             ("max_tokens", int, lambda v: v >= 1, ">= 1"),
-            ("temperature", float, lambda v: math.isfinite(v) and v >= 0, "finite and >= 0"),
+            ("temperature", float, lambda v: 0 <= v <= FLOAT32_MAX,
+             f">= 0 and at most {FLOAT32_MAX:.7g} (float32's largest; more is infinite)"),
             ("top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("seed", int, lambda v: 0 <= v < 2 ** 64, "in [0, 2**64)")):
         if obj.get(name) is None:
@@ -201,11 +204,7 @@ def parse_line(text: str, line: int) -> Request | InputError:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and
                                                                       not isinstance(v, int)):
             return bad(f"'{name}' must be {kind.__name__}, got {v!r}")
-        try:
-            good = ok(v)
-        except OverflowError:  # an int past float range (temperature 10**400; 1e400 reads as inf)
-            good = False
-        if not good:
+        if not ok(v):  # (Python compares an int past float range, 10**400, exactly)
             return bad(f"'{name}'={v!r:.80} must be {rule}")
         kw[name] = kind(v)
     stop = obj.get("stop")

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from cluster.cli import UsageError
-from cluster.config import REPO_ROOT, load_job_config
+from cluster.config import REPO_ROOT, load_job_config, warn_unknown_env
 from kernels.tiers import TIERS
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def flag_overrides(args) -> dict:
 def run(args) -> int:
     from cluster.jobs.generate import run_generate
     config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    warn_unknown_env()
     cfg = load_job_config(config, overrides=flag_overrides(args))
     if not args.prompts.exists():
         raise UsageError(f"--prompts {args.prompts}: no such file")

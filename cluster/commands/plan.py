@@ -34,7 +34,7 @@ from cluster.config import REPO_ROOT
 from cluster.fleet import Fleet, FleetError, plan_fleet, size_error
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import free_bytes
-from cluster.planner import BLOCK, GB, PlanError
+from cluster.planner import BLOCK, GB, PlanError, usage_error
 from kernels.tiers import TIERS
 from workers.config import ConfigError
 from workers.weights import EXPERT_FORMAT
@@ -83,14 +83,17 @@ def _footprint(path: Path | None) -> Footprint:
         raise UsageError(str(e)) from None
 
 
-def _usage(path: Path | None) -> np.ndarray | None:
+def _usage(path: Path | None, fp: Footprint) -> np.ndarray | None:
     if path is None:
         return None
     try:
         raw = np.load(path) if path.suffix == ".npy" else json.loads(path.read_text())
-        return np.asarray(raw, dtype=np.float64)
+        usage = np.asarray(raw, dtype=np.float64)
     except (OSError, ValueError, TypeError) as e:  # (TypeError: a JSON object, not a list)
         raise UsageError(f"--usage {path}: cannot read expert usage counts ({e})") from None
+    if why := usage_error(fp, usage):  # (the planner's own error named neither flag nor file)
+        raise UsageError(f"--usage {path}: {why} (model {fp.config.source})")
+    return usage
 
 
 def _free(specs: list[str], fleet: Fleet) -> dict[str, int]:
@@ -191,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             return free_bytes(spec)  # read on this machine, also for a device of another node
 
         p = plan_fleet(fleet, fp, measure, tier=args.kv, ctx=args.ctx, experts=experts,
-                       slots=args.slots, usage=_usage(args.usage), loaded=args.as_job,
+                       slots=args.slots, usage=_usage(args.usage, fp), loaded=args.as_job,
                        block=args.block_size or BLOCK)
     except (FleetError, PlanError) as e:  # a failed probe is a FleetError naming file and device
         raise UsageError(str(e)) from None

@@ -12,7 +12,9 @@ Given the current input's keys, `finalize` keeps only their rows, at their curre
 
 `settings` (the job's tier, model, sampling defaults, context) go into every file's schema
 metadata; a rerun whose settings differ from those of the rows already there is refused,
-so one OUT never mixes results of two configurations.
+so one OUT never mixes results of two configurations. Every file is written with page
+checksums and a digest of its rows and read back verified (cluster/jobs/results_file.py):
+a damaged OUT or part is refused, naming it, and left as it is for the operator.
 
 One run at a time per OUT: the store holds an exclusive lock on OUT.lock from its start to
 close() (kvstore/slots.py SlotLock, as `kvfleet kv convert` locks its output), and a second
@@ -24,24 +26,21 @@ or a parts folder the other was still writing into (OSError "Directory not empty
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 import shutil
 import time
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cluster.config import JobConfigError
-from cluster.requests import LATER_COLUMNS, SCHEMA, Result, result_key, results_table
+from cluster.jobs.results_file import ResultsFile, ResultsFileError, read_results, write_results
+from cluster.requests import SCHEMA, Result, result_key, results_table
 from kvstore.slots import SlotBusyError, SlotLock
 
 log = logging.getLogger(__name__)
 PART = re.compile(r"^part-(\d{6})\.parquet$")
-SETTINGS_KEY = b"kvfleet.settings"
 
 
 class ResultStore:
@@ -53,6 +52,8 @@ class ResultStore:
         self.flush_every, self.flush_s = flush_every, flush_s
         self._buf: list[Result] = []
         self._last_flush = time.monotonic()
+        self._unchecked: set[Path] = set()  # files without a digest, said once each
+        self._read_once: dict[Path, ResultsFile] = {}  # _check_settings' reads, for done_keys
         if self.out.is_dir():  # (read back as an empty dataset: "missing every column")
             raise JobConfigError(f"--out {self.out}: is a directory; give the results file to "
                                  f"write, e.g. {self.out / 'results.parquet'}")
@@ -80,9 +81,11 @@ class ResultStore:
             self._lock = None
 
     def _check_settings(self) -> None:
-        for path, found in self._settings_found():
+        for path in self._sources():
+            earlier = self._read_once[path] = self._read(path)
+            found = earlier.settings
             if found is None:  # written before settings were recorded: its rows' tier at least
-                tiers = set(pq.read_table(path, columns=["tier"]).column("tier").to_pylist())
+                tiers = set(earlier.table.column("tier").to_pylist())
                 if tiers - {self.settings.get("kv")}:
                     raise JobConfigError(f"--out {self.out}: {path.name} holds results of tier "
                                          f"{sorted(t for t in tiers if t)}; this run has kv "
@@ -98,22 +101,25 @@ class ResultStore:
                                      f"{was}; this run has {now}. Give another --out, or "
                                      f"the same settings to resume")
 
-    def _settings_found(self) -> list[tuple[Path, dict | None]]:
-        out = []
-        for p in ([self.out] if self.out.exists() else []) + self._part_files():
-            try:
-                meta = pq.read_schema(p).metadata or {}
-            except (OSError, pa.ArrowInvalid):
-                continue  # _tables reports it
-            raw = meta.get(SETTINGS_KEY)
-            out.append((p, None if raw is None else json.loads(raw)))
-        return out
+    def _sources(self) -> list[Path]:
+        """Final file first, then the parts oldest first (later rows win on merge)."""
+        return ([self.out] if self.out.exists() else []) + self._part_files()
 
-    def _table(self, table: pa.Table) -> pa.Table:
-        if self.settings is None:
-            return table
-        return table.replace_schema_metadata({SETTINGS_KEY: json.dumps(self.settings,
-                                                                       sort_keys=True)})
+    def _read(self, path: Path) -> ResultsFile:
+        """One earlier file, checked: a damaged one is a JobConfigError naming it (the job
+        ends before it writes anything, so the file stays as it is for the operator)."""
+        try:
+            earlier = read_results(path)
+        except ResultsFileError as e:
+            where = "" if path == self.out else f"part {path}: "
+            raise JobConfigError(f"--out {self.out}: {where}{e}; it is left as it is: move it "
+                                 f"away to start over, or give another --out") from None
+        if not earlier.checked and path not in self._unchecked:
+            self._unchecked.add(path)
+            log.warning("--out %s: %s has no row digest (written by an older kvfleet), so "
+                        "damage to it cannot be detected; read as it is (the merged OUT this "
+                        "run writes has one)", self.out, path)
+        return earlier
 
     def _part_files(self) -> list[Path]:
         if not self.parts.exists():
@@ -121,22 +127,9 @@ class ResultStore:
         return sorted(p for p in self.parts.iterdir() if PART.match(p.name))
 
     def _tables(self) -> list[pa.Table]:
-        """Final file first, then the parts oldest first (later rows win on merge)."""
-        sources = ([self.out] if self.out.exists() else []) + self._part_files()
-        tables = []
-        for p in sources:
-            try:
-                t = pq.read_table(p)
-            except (OSError, pa.ArrowInvalid) as e:
-                raise JobConfigError(f"{p}: cannot read earlier results ({e}); move it away "
-                                     f"to start over") from None
-            missing = set(SCHEMA.names) - set(t.column_names)
-            if missing - LATER_COLUMNS:
-                raise JobConfigError(f"{p}: not a kvfleet results file (missing {sorted(missing)})")
-            for name in sorted(missing):  # written before that column existed
-                t = t.append_column(SCHEMA.field(name), pa.nulls(t.num_rows, SCHEMA.field(name).type))
-            tables.append(t.select(SCHEMA.names).cast(SCHEMA))
-        return tables
+        # (a file read at the start is read once: OUT and the parts there were do not change
+        # before finalize writes OUT)
+        return [(self._read_once.pop(p, None) or self._read(p)).table for p in self._sources()]
 
     def done_keys(self) -> dict[str, str | None]:
         """Key -> request digest of the newest row of each key, for the keys whose newest
@@ -165,7 +158,7 @@ class ResultStore:
         self.parts.mkdir(parents=True, exist_ok=True)
         path = self.parts / f"part-{self._next:06d}.parquet"
         self._next += 1
-        _write_atomic(self._table(results_table(self._buf)), path)
+        write_results(results_table(self._buf), path, self.settings)
         self._buf = []
 
     def finalize(self, current: dict[str, int] | None = None) -> pa.Table:
@@ -190,7 +183,7 @@ class ResultStore:
         if current is not None:
             merged = merged.set_column(merged.schema.get_field_index("line"), SCHEMA.field("line"),
                                        pa.array([lines[j] for j in rows], pa.int32()))
-        _write_atomic(self._table(merged), self.out)
+        write_results(merged, self.out, self.settings)
         if self.parts.exists():
             shutil.rmtree(self.parts)
         return merged
@@ -206,15 +199,3 @@ def _lock_out(out: Path) -> SlotLock:
     except OSError as e:
         raise JobConfigError(f"--out {out}: cannot lock it ({e.strerror}: {out}.lock)") from None
 
-
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -45,6 +45,7 @@ def test_yaml_fields_and_frozen(tmp_path):
 @pytest.mark.parametrize("text, where", [
     ("slotz: 3\n", "slotz"),
     ("sampling: {temperature: hot}\n", "sampling.temperature"),
+    ("sampling: {temperature: 1.0e+300}\n", "sampling.temperature"),  # (inf as float32)
     ("sampling: {max_tokens: 0}\n", "sampling.max_tokens"),
     ("workers: {count: 1, extra: 2}\n", "workers.extra"),
     ("kv: tq3\n", "kv"),
@@ -70,6 +71,32 @@ def test_bad_files(tmp_path):
         load_job_config(write(tmp_path, "kv: [f32\n"), env={})
     with pytest.raises(JobConfigError, match="top level must be a mapping"):
         load_job_config(write(tmp_path, "- 1\n- 2\n"), env={})
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("model: m\nslots: 8\nslots: 9\n", 3, "slots", 2),  # (it ran with 9)
+    ("sampling:\n  temperature: 0.5\n  seed: 1\n  temperature: 0\n", 4, "temperature", 2),
+    ("workers: {count: 2, count: 1}\n", 1, "count", 1),
+    ("sampling: {seed: 1}\nkv: kv8\nsampling: {seed: 2}\n", 3, "sampling", 1),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, capsys, text, line, key, first):
+    """PyYAML keeps the last of two equal keys, silently."""
+    path = write(tmp_path, text)
+    said = (f"{path}: line {line}: key '{key}' is given twice in one mapping (first on line "
+            f"{first}); YAML would keep only the last")
+    with pytest.raises(JobConfigError) as e:
+        load_job_config(path, env={})
+    assert str(e.value) == said
+    from cluster.cli import main
+    assert main(["generate", "--prompts", str(path), "--out", str(tmp_path / "o.parquet"),
+                 "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"kvfleet generate: error: {said}\n"
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_a_merge_keys_override_is_not_a_repeat(tmp_path):
+    path = write(tmp_path, "workers: {<<: {count: 2, num_cpus: 2}, count: 3}\n")
+    assert load_job_config(path, env={}).workers.count == 3
 
 
 @pytest.mark.parametrize("env, tier", [
@@ -105,6 +132,7 @@ def test_env_tq_wins_over_kv8_with_a_warning(caplog):
     ({"KVFLEET_SLOTS": "0"}, r"slots \(from KVFLEET_SLOTS\)"),
     ({"KVFLEET_SEED": "-1"}, r"sampling.seed \(from KVFLEET_SEED\)"),
     ({"KVFLEET_TEMPERATURE": "inf"}, r"sampling.temperature \(from KVFLEET_TEMPERATURE\)"),
+    ({"KVFLEET_TEMPERATURE": "1e39"}, r"sampling.temperature \(from KVFLEET_TEMPERATURE\)"),
     ({"KVFLEET_TOP_P": "2"}, r"sampling.top_p \(from KVFLEET_TOP_P\)"),
 ])
 def test_env_errors_name_the_variable(env, match):
@@ -264,3 +292,44 @@ def test_a_job_config_with_fleet_fields_keeps_its_own_error(tmp_path, text):
     with pytest.raises(JobConfigError) as e:
         load_job_config(write(tmp_path, text), env={})
     assert "is a fleet file" not in str(e.value) and "Extra inputs" in str(e.value)
+
+
+def test_every_kvfleet_variable_the_source_names_is_known():
+    """KNOWN_ENV cannot go stale: a KVFLEET_ name anywhere in the code (a read, a message)
+    is in it; a name ending in `_` (KVFLEET_CUDA_*) is a prefix of known ones."""
+    import re
+    from cluster.config import KNOWN_ENV
+    found = {}
+    for pkg in ("cluster", "workers", "kvstore", "kernels", "scripts", "models"):
+        for path in (REPO_ROOT / pkg).rglob("*.py"):
+            for name in re.findall(r"KVFLEET_[A-Z0-9_]+", path.read_text(encoding="utf-8")):
+                found.setdefault(name, path)
+    assert len(found) >= 20
+    for name, path in sorted(found.items()):
+        if name.endswith("_"):
+            assert any(k.startswith(name) for k in KNOWN_ENV), (name, path)
+        else:
+            assert name in KNOWN_ENV, f"{name} (in {path}) is not in cluster/config.py KNOWN_ENV"
+
+
+def test_a_misspelt_kvfleet_variable_warns_once_with_the_close_name(tmp_path, monkeypatch,
+                                                                    caplog, capsys):
+    """KVFLEET_SLOT=16 was ignored silently; now a warning, not a refusal."""
+    from cluster.cli import main
+    for k in [k for k in __import__("os").environ if k.startswith("KVFLEET_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVFLEET_SLOT", "16")
+    monkeypatch.setenv("KVFLEET_TEMPERATUR", "0.5")
+    monkeypatch.setenv("KVFLEET_ZZZZZZZZZZZZZZZZ", "1")
+    monkeypatch.setenv("KVFLEET_SLOTS", "2")  # (known: no warning)
+    monkeypatch.setenv("KVFLEET_CUDA_PDL", "0")
+    caplog.set_level(logging.WARNING)
+    assert main(["generate", "--prompts", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "o.parquet")]) == 2  # (no such file: after the check)
+    said = sorted(r.getMessage() for r in caplog.records if "not a kvfleet variable" in r.getMessage())
+    assert said == [
+        "environment KVFLEET_SLOT is not a kvfleet variable: it is ignored (did you mean KVFLEET_SLOTS?)",
+        "environment KVFLEET_TEMPERATUR is not a kvfleet variable: it is ignored (did you mean "
+        "KVFLEET_TEMPERATURE?)",
+        "environment KVFLEET_ZZZZZZZZZZZZZZZZ is not a kvfleet variable: it is ignored"]
+    assert "--prompts" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,35 @@ def test_cli_usage_that_is_not_counts_is_a_usage_error(tmp_path, capsys):
     for name in ("u.json", "u.npy"):
         assert main(["plan", "--config", str(fleet), "--usage", str(tmp_path / name)]) == 2
         assert f"--usage {tmp_path / name}: cannot read expert usage counts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("counts, said", [
+    (-np.ones((75, 256)), r"must be finite and >= 0, got -1.0 at row 0, expert 0 \(19200 such\)"),
+    (np.pad(np.ones((75, 255)), ((0, 0), (0, 1)), constant_values=np.nan),
+     r"must be finite and >= 0, got nan at row 0, expert 255 \(75 such\)"),
+    (np.ones((3, 4)), r"must have shape \(75, 256\) or \(76, 256\) \(MoE layers x routed "
+                      r"experts\), got shape \(3, 4\)"),
+    (np.ones(256), r"must have shape .* got shape \(256,\)"),
+])
+def test_cli_usage_counts_that_the_plan_cannot_use_name_the_flag_and_file(tmp_path, capsys,
+                                                                          counts, said):
+    """Negative counts were taken (ranked last), and a wrong shape or a NaN was the
+    planner's message naming neither --usage nor the file."""
+    fleet = Path(__file__).resolve().parents[2] / "configs" / "fleets" / "h200x2.yaml"
+    for name in ("u.npy", "u.json"):
+        path = tmp_path / name
+        if name.endswith(".npy"):
+            np.save(path, counts)
+        else:  # (json writes and reads NaN)
+            path.write_text(json.dumps(counts.tolist()))
+        assert main(["plan", "--config", str(fleet), "--usage", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert re.match(f"kvfleet plan: error: --usage {path}: expert usage counts {said}", err), err
+        assert len(err.splitlines()) == 1
+    for rows in (75, 76):  # per MoE layer run, or of the checkpoint (its MTP layer too)
+        np.save(tmp_path / "ok.npy", np.arange(rows * 256, dtype=np.float64).reshape(rows, 256))
+        assert main(["plan", "--config", str(fleet), "--usage", str(tmp_path / "ok.npy")]) == 0
+        capsys.readouterr()
 
 
 def test_assign_experts_biggest_budget_first():
