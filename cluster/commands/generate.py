@@ -153,6 +153,7 @@ def write_stats(summary, cfg, path: Path) -> None:
     its derived rates), the rows written, and the workers' own stats."""
     import dataclasses
     import json
+    from cluster.atomic import write_atomic
     st = summary.stats
     doc = dict(dataclasses.asdict(st), tier=cfg.kv, rows=summary.done, errors=summary.errors,
                runtime_errors=summary.runtime_errors, skipped=summary.skipped,
@@ -160,9 +161,9 @@ def write_stats(summary, cfg, path: Path) -> None:
                decode_tokens_per_s=st.decode_tokens_per_s,
                overhead_per_decode_step_s=st.overhead_per_decode_step_s,
                workers=summary.workers)
-    try:
+    try:  # (atomic: a run killed mid-write leaves no truncated file for `kvfleet soak`)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1, default=str))
+        write_atomic(path, json.dumps(doc, indent=1, default=str).encode())
     except OSError as e:  # (the results are written by now: say so)
         raise UsageError(f"--stats {path}: cannot write it ({e.strerror}); the results are in "
                          f"{summary.out}") from None

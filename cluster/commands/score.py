@@ -11,11 +11,13 @@ exercises the per-step path.
 """
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
 
+from cluster.atomic import write_atomic
 from cluster.cli import UsageError
 from kernels.tiers import TIERS
 
@@ -80,7 +82,12 @@ def run(args) -> int:
     except (ConfigError, WeightsError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
     logits = score(model, ids, args.kv, args.mode)
-    with open(args.out, "wb") as f:  # a path would get ".npy" appended when it lacks one
-        np.save(f, logits)
+    buf = io.BytesIO()  # (np.save to a path would append ".npy" when it lacks one)
+    np.save(buf, logits)
+    try:  # (atomic: an earlier file there stays whole if this write fails)
+        write_atomic(args.out, buf.getvalue())
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot write it ({e.strerror or e}); the "
+                         "forward pass ran, nothing was written") from None
     print(f"wrote {args.out}: logits {list(logits.shape)} float32 ({args.mode}, kv {args.kv})")
     return 0

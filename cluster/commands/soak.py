@@ -5,12 +5,19 @@
                  [--round-timeout 30m]
 
 Exit code 0 when the gate (thresholds in A's `soak.gate`) passes, 1 when it fails (the
-failing metrics are printed), 2 on bad input. An arm whose rounds fell back from a native
-path (kvfleet_fallbacks) is named on stderr with the paths and counts.
+failing metrics are printed), 2 on bad input, 130 on Ctrl-C and 143 on SIGTERM (the soak's
+handler replaces Ray's, whose exit 15 wrote nothing): summary.json and report.html are then
+written for the rounds that finished (summary.json `interrupted`), and an --out where none
+had finished is left as it was. An interrupted soak is not resumed: its --out is refused
+on a rerun (remove it to start over). Each arm's build (checkout, git commit, tree state)
+and withheld job variables are printed after the gate line; an arm whose rounds fell back
+from a native path (kvfleet_fallbacks) is named on stderr with the paths and counts.
 """
 from __future__ import annotations
 
+import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -39,13 +46,29 @@ def register(sub) -> None:
     p.add_argument("--round-timeout", default="30m",
                    help="a round still running after this is stopped, a failed round whose "
                         "unserved requests count as lost (default 30m)")
-    p.set_defaults(func=run, interrupted=lambda args: (
-        f"the rounds that finished are kept in {args.out / 'rounds'} (results, stats, logs); "
-        f"no summary.json or report.html was written"))
+    p.set_defaults(func=run, interrupted=interrupted)
+
+
+def interrupted(args) -> str:
+    """What an interrupted soak left (cluster/cli.py prints it after a Ctrl-C, run() after
+    a SIGTERM)."""
+    try:
+        cut = json.loads((args.out / "summary.json").read_text()).get("interrupted")
+    except (OSError, ValueError, AttributeError):
+        cut = None
+    if not isinstance(cut, dict):
+        return f"no round had finished: nothing was kept, and --out {args.out} can be given again"
+    return (f"the {cut.get('rounds_kept')} rounds that finished are in {args.out}/summary.json "
+            f"and {args.out}/report.html (marked interrupted; round {cut.get('cut_round')} arm "
+            f"{cut.get('cut_arm')} was cut and is left out), their files in "
+            f"{args.out / 'rounds'}; a soak is not resumed: give another --out, or remove "
+            f"{args.out} to start over")
 
 
 def run(args) -> int:
+    from cluster.commands.generate import Stopped
     from cluster.soak.config import load_arm
+    from cluster.soak.report import arm_lines
     from cluster.soak.runner import SoakPlan, run_soak
     if args.rounds is not None and args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds} must be >= 1")
@@ -57,10 +80,16 @@ def run(args) -> int:
                     kill_every_s=parse_duration(args.kill_worker_every, "--kill-worker-every")
                     if args.kill_worker_every else None,
                     round_timeout_s=parse_duration(args.round_timeout, "--round-timeout"))
-    summary, code = run_soak(plan)
+    try:
+        summary, code = run_soak(plan)
+    except Stopped:
+        print(f"kvfleet soak: stopped by SIGTERM; {interrupted(args)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     gate = summary["gate"]
     print(f"soak: {summary['rounds']} rounds -> {args.out}/report.html; gate "
           + ("passed" if gate["passed"] else "FAILED: " + "; ".join(gate["failures"])))
+    for line in arm_lines(summary):
+        print(line)
     _warn_fallbacks(summary)
     f = summary["faults"]
     tested = f["kills"] - f.get("kills_unseen", 0) - f.get("kills_unknown", 0)

@@ -229,13 +229,37 @@ def _env_cells(env) -> list[tuple[str, str]]:
             if withheld else (f"none (none of its {of} is set here)", "")]
 
 
+def _build_cell(info) -> tuple[str, str]:
+    """(text, class) of an arm's build record (cluster/soak/build.py): class "warn" for a
+    dirty tree (its commit is not all that ran), "unknown" where no commit is recorded."""
+    if info is None:
+        return "not recorded", "unknown"
+    if not isinstance(info, dict) or not isinstance(info.get("checkout"), str):
+        return _unreadable(info)
+    version = info.get("version")
+    where = info["checkout"] + (f", kvfleet {version}" if isinstance(version, str) else "")
+    commit = info.get("commit")
+    if not isinstance(commit, str):
+        why = info.get("git_error")
+        return (f"{where}: no git commit ({why if isinstance(why, str) else 'no reason given'})",
+                "unknown")
+    if not info.get("dirty"):
+        return f"{where}, git {commit}, clean", ""
+    n = info.get("changed_files")
+    files = f"{n} changed file{'' if n == 1 else 's'}" if isinstance(n, int) else "changed files"
+    return f"{where}, git {commit}, dirty ({files}: the commit is not all that ran)", "warn"
+
+
 def _arm_cells(summary: dict, arm: str) -> list[tuple[str, str]]:
-    """(text, class) of an arm's config check, the code that declared its job variables,
-    and those withheld from its rounds. Class "warn": a fallback, or a record in no form
-    the soak writes; "unknown": not recorded (a summary from before the soak recorded it)."""
-    check, env = summary.get("config_check"), summary.get("job_env")
+    """(text, class) of an arm's build, config check, the code that declared its job
+    variables, and those withheld from its rounds. Class "warn": a dirty tree, a fallback,
+    or a record in no form the soak writes; "unknown": not recorded (a summary from before
+    the soak recorded it) or no git commit."""
+    build, check, env = (summary.get(k) for k in ("build", "config_check", "job_env"))
     # (each a mapping arm -> record; one that is not is in no form the soak writes)
-    cells = [_check_cell((check or {}).get(arm)) if check is None or isinstance(check, dict)
+    cells = [_build_cell((build or {}).get(arm)) if build is None or isinstance(build, dict)
+             else _unreadable(build),
+             _check_cell((check or {}).get(arm)) if check is None or isinstance(check, dict)
              else _unreadable(check)]
     if env is not None and not isinstance(env, dict):
         return cells + [_unreadable(env)] * 2
@@ -244,9 +268,9 @@ def _arm_cells(summary: dict, arm: str) -> list[tuple[str, str]]:
 
 def _arm_rows(summary: dict) -> list[tuple[str, str, list[tuple[str, str]]]]:
     """(arm, label, cells) per arm the summary names: its `arms`, then any that only its
-    labels, config_check or job_env name."""
+    labels, build, config_check or job_env name."""
     keys = list(summary.get("arms") or [])
-    for table in ("labels", "config_check", "job_env"):
+    for table in ("labels", "build", "config_check", "job_env"):
         if isinstance(summary.get(table), dict):
             keys += [k for k in summary[table] if k not in keys]
     labels = summary.get("labels") if isinstance(summary.get("labels"), dict) else {}
@@ -255,7 +279,8 @@ def _arm_rows(summary: dict) -> list[tuple[str, str, list[tuple[str, str]]]]:
 
 
 def _arms(summary: dict) -> str:
-    """The arms table (summary.json labels, config_check, job_env), a fallback row marked."""
+    """The arms table (summary.json labels, build, config_check, job_env), a row with a
+    dirty tree or a fallback marked."""
     rows = []
     for arm, label, cells in _arm_rows(summary):
         warn = any(c == "warn" for _, c in cells)
@@ -266,11 +291,13 @@ def _arms(summary: dict) -> str:
                               for t, c in cells) + "</tr>")
     if not rows:
         return ""
-    return ("<h2>arms</h2><p>each arm's job config is checked before any round runs, by its "
+    return ("<h2>arms</h2><p>each arm's build is its checkout's git commit and tree state "
+            "when the soak started; its job config is checked before any round runs, by its "
             "own checkout's code where that can (a refused config stops the soak), and the "
             "job variables that code reads (KV8, KV_TQ, KVFLEET_SLOTS, ...) are withheld from "
             "its rounds where they are set here, so each arm runs its config as written</p>"
-            '<table class="arms"><tr><th>arm</th><th>label</th><th>job config check</th>'
+            '<table class="arms"><tr><th>arm</th><th>label</th><th>build</th>'
+            "<th>job config check</th>"
             "<th>job variables declared by</th><th>withheld from its rounds</th></tr>"
             + "".join(rows) + "</table>")
 
@@ -278,8 +305,8 @@ def _arms(summary: dict) -> str:
 def arm_lines(summary: dict) -> list[str]:
     """The arms table as one line of text per arm, for the console."""
     return [f"soak: {'warning: ' if any(c == 'warn' for _, c in cells) else ''}arm {arm} "
-            f"({label}): job config {cells[0][0]}; job variables declared by {cells[1][0]}; "
-            f"withheld from its rounds: {cells[2][0]}"
+            f"({label}): build {cells[0][0]}; job config {cells[1][0]}; job variables "
+            f"declared by {cells[2][0]}; withheld from its rounds: {cells[3][0]}"
             for arm, label, cells in _arm_rows(summary)]
 
 

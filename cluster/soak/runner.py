@@ -26,6 +26,14 @@ checkout declares: cluster/soak/config.py) are not passed to its rounds, where t
 override the config. DIR must be new or empty (the rounds of an earlier soak there would be
 resumed, not rerun).
 
+Ctrl-C or SIGTERM stops the soak (its SIGTERM handler replaces Ray's, whose sys.exit(15) left
+nothing): the round that was running is cut (its run killed, its --out's lock file removed,
+its files left in rounds/ but out of the figures), and summary.json and report.html are
+written for the rounds that finished, summary.json's `interrupted` naming the signal and the
+cut round. With no round finished, the directories it made are removed. A soak is not
+resumed: its rounds pair A and B in time on one cluster, which a restart would break, so a
+rerun on an interrupted DIR is refused like any used one, saying to give another or remove it.
+
 Output under DIR:
     rounds/rNNN_<arm>.parquet, rounds/rNNN_<arm>.stats.json, rounds/rNNN_<arm>.log
     requests.parquet   one row per request and round (with the temperature it ran at)
@@ -44,9 +52,13 @@ Output under DIR:
                        its round's job had taken its last step: no kill of that round; also
                        the `after_end` column)
     summary.json       medians, min/max, pairwise A/B ratios, parity, faults, gate;
-                       per arm, `config_check`: the code that checked its job config, and
+                       per arm, `build`: its checkout, git commit and tree state, version
+                       (cluster/soak/build.py, read once at the start), `config_check`: the
+                       code that checked its job config, and
                        `job_env`: the code that declared the job variables withheld from its
-                       rounds (`from`), those variables, and of them the ones set here
+                       rounds (`from`), those variables, and of them the ones set here;
+                       `interrupted` (a stopped soak): signal, rounds_kept, cut_round, cut_arm;
+                       a failed round's `stats_error`: its --stats could not be read
     report.html        the self-contained report
 """
 from __future__ import annotations
@@ -55,9 +67,12 @@ import json
 import logging
 import math
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +85,10 @@ from cluster.cli import UsageError
 from cluster.config import REPO_ROOT
 from cluster.metrics import KeptGauges
 from cluster.requests import Request, is_input_error, read_requests, result_key
-from cluster.soak.config import SoakArm, checkout_env
+# (generate's: SIGTERM raises Stopped, a second one ends the process at once)
+from cluster.commands.generate import Stopped, _stop as stop_on_sigterm
+from cluster.soak.build import build_info
+from cluster.soak.config import FLAGS, SoakArm, checkout_env
 from cluster.soak.faults import WorkerKiller
 from cluster.soak.report import write_report
 from cluster.soak.summary import COUNTER_GROUPS, OK_FINISH, apply_gate, parity_table, summarize
@@ -152,6 +170,11 @@ def _run_round(plan: SoakPlan, arm: SoakArm, rnd: int, address: str, timeout: fl
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
+        except BaseException:  # (Ctrl-C, SIGTERM: subprocess.run has killed and reaped it)
+            # its results store's flock died with it, but not the file, which would stay
+            # in rounds/ as if a run still held this round's --out
+            out.with_name(out.name + ".lock").unlink(missing_ok=True)
+            raise
     end = time.time()
     return {"round": rnd, "arm": arm.key, "label": arm.label, "start_s": start, "end_s": end,
             "returncode": str(rc), "parquet": out, "stats": stats, "log": logf}
@@ -229,10 +252,25 @@ KILL_COLUMNS = {"kills": ("found", "unseen", "unknown"), "kills_unseen": ("unsee
                 "kills_unknown": ("unknown",), "kills_after_end": ("after_end",)}
 
 
+def _read_stats(path: Path) -> tuple[dict, str | None]:
+    """A round's --stats ({} where its run wrote none), and why it cannot be read, where it
+    cannot (a run killed while writing it, an older build's partial write): that round
+    fails, the soak goes on."""
+    if not path.exists():
+        return {}, None
+    try:
+        stats = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return {}, f"{path.name}: {getattr(e, 'strerror', None) or e}"
+    if not isinstance(stats, dict):
+        return {}, f"{path.name}: not a JSON object"
+    return stats, None
+
+
 def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
     """One rounds.parquet row and the round's request rows."""
     req = _read_results(meta["parquet"])
-    stats = json.loads(meta["stats"].read_text()) if meta["stats"].exists() else {}
+    stats, stats_error = _read_stats(meta["stats"])
     ok = errors = input_errors = runtime_errors = req
     if len(req):
         ok, errors = req[req.finish_reason.isin(OK_FINISH)], req[req.finish_reason == "error"]
@@ -250,7 +288,8 @@ def _round_rows(meta: dict, expected: set[str]) -> tuple[dict, pd.DataFrame]:
         "round": meta["round"], "arm": meta["arm"], "label": meta["label"],
         "start_s": meta["start_s"], "end_s": meta["end_s"], "wall_s": meta["end_s"] - meta["start_s"],
         "returncode": meta["returncode"],
-        "failed": meta["returncode"] != "0" or len(runtime_errors) > 0,
+        "failed": meta["returncode"] != "0" or len(runtime_errors) > 0 or stats_error is not None,
+        "stats_error": stats_error,
         "requests": len(req),
         "throughput_tok_s": (stats["tokens"] / stats["wall_s"]) if stats.get("wall_s") else None,
         "ttft_median_s": float(ok.ttft_s.median()) if len(ok) else None,
@@ -336,15 +375,54 @@ class FailedRoundsCounter:
         self.counter.inc(1, tags={"arm": arm})
 
 
+def _refuse_used_out(out: Path) -> None:
+    """A soak is not resumed: its rounds are a time series on one cluster, paired A B in
+    time, and a restart would pair rounds across it (another machine state, perhaps
+    another build). An interrupted soak's --out is refused like any used one, saying so."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    try:
+        cut = json.loads((out / "summary.json").read_text()).get("interrupted")
+    except (OSError, ValueError, AttributeError):
+        cut = None
+    what = (f"holds a soak interrupted by {cut.get('signal')} after {cut.get('rounds_kept')} "
+            "rounds (its summary.json and report.html are of those); a soak is not resumed"
+            if isinstance(cut, dict) else "not a new or empty directory (an earlier soak's "
+            "rounds there would be resumed, not rerun)")
+    raise UsageError(f"--out {out}: {what}; give another --out, or remove it (rm -r {out}) to "
+                     "start over")
+
+
+def _stop_on_sigterm() -> object:
+    """SIGTERM (kill, a scheduler's stop) stops the soak as Ctrl-C does, raising Stopped
+    (in place of Ray's driver handler, sys.exit(15), which left no summary); the previous
+    handler, to restore. None off the main thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, stop_on_sigterm)
+
+
 def run_soak(plan: SoakPlan) -> tuple[dict, int]:
-    """Runs the soak; returns (summary, exit code: 0 pass, 1 gate failed)."""
+    """Runs the soak; returns (summary, exit code: 0 pass, 1 gate failed). Ctrl-C
+    (KeyboardInterrupt) or SIGTERM (Stopped) during it: summary.json and report.html are
+    written for the rounds that finished (summary["interrupted"] says which round was cut)
+    and the interruption is raised again; with none finished, the directories it made are
+    removed, so --out can be given again."""
     import ray
-    if plan.out.exists() and (not plan.out.is_dir() or any(plan.out.iterdir())):
-        raise UsageError(f"--out {plan.out}: not a new or empty directory (an earlier soak's "
-                         "rounds there would be resumed, not rerun); give another one")
+    _refuse_used_out(plan.out)
     expected, own_temperatures = _read_prompts(plan.prompts)
     if not expected:  # (every round would serve nothing, and the gate pass on nothing)
         raise UsageError(f"--prompts {plan.prompts}: no requests in it (an empty or blank file)")
+    for arm in plan.arms[1:]:  # (the section's fields that its file set itself)
+        if "gate" in arm.section.model_fields_set:
+            log.warning("soak: %s %s: its soak.gate is ignored: the gate is arm %s's (%s %s)",
+                        FLAGS.get(arm.key, "arm " + arm.key), arm.path, plan.arms[0].key,
+                        FLAGS.get(plan.arms[0].key, "arm"), plan.arms[0].path)
+    builds: dict[Path, dict] = {}  # (before OUT is made: it may lie in a checkout)
+    for arm in plan.arms:
+        wd = arm.working_dir or REPO_ROOT
+        builds.setdefault(wd, build_info(wd))
+    made_out = not plan.out.exists()
     (plan.out / "rounds").mkdir(parents=True, exist_ok=True)
     ignored: dict[tuple[str, ...], list[str]] = {}  # the variables withheld -> the arms
     for arm in plan.arms:
@@ -354,24 +432,28 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
             log.warning("soak: %s set in the environment, not passed to the rounds of arm%s %s "
                         "(each arm runs its own config)", ", ".join(names),
                         "s" if len(keys) > 1 else "", " and ".join(keys))
-    started = False
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address)
-        else:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            # the dashboard serves the state API that the fault injector lists workers with
-            ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=True,
-                     dashboard_host="127.0.0.1", dashboard_port=_free_port())
-        started = True
-    address = ray.get_runtime_context().gcs_address
-    killer = WorkerKiller(plan.kill_every_s) if plan.kill_every_s else None
-    deadline = time.monotonic() + (plan.duration_s if plan.duration_s else 10 * 365 * 86400.0)
-    rows, reqs, rnd = [], [], 0
-    ratios = RatioGauge() if len(plan.arms) > 1 else None
-    failures = FailedRoundsCounter([a.key for a in plan.arms])
+    joined = ray.is_initialized()  # (a caller's Ray is left running)
+    previous = _stop_on_sigterm()
+    killer = ratios = None
+    rows, reqs, rnd, cut = [], [], 0, None
+    arm = plan.arms[0]
     try:
+        if not joined:
+            address = os.environ.get("RAY_ADDRESS")
+            if address:
+                ray.init(address=address)
+            else:
+                os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+                # the dashboard serves the state API that the fault injector lists workers with
+                ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
+                         include_dashboard=True, dashboard_host="127.0.0.1",
+                         dashboard_port=_free_port())
+            _stop_on_sigterm()  # (ray.init set its own)
+        address = ray.get_runtime_context().gcs_address
+        killer = WorkerKiller(plan.kill_every_s) if plan.kill_every_s else None
+        deadline = time.monotonic() + (plan.duration_s if plan.duration_s else 10 * 365 * 86400.0)
+        ratios = RatioGauge() if len(plan.arms) > 1 else None
+        failures = FailedRoundsCounter([a.key for a in plan.arms])
         if killer:
             killer.start()
         while (plan.rounds is None or rnd < plan.rounds) and time.monotonic() < deadline:
@@ -384,19 +466,28 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                 meta = _run_round(plan, arm, rnd, address, timeout)
                 row, req = _round_rows(meta, expected)
                 rows.append(row)
+                reqs.append(with_temperatures(req, own_temperatures, arm.temperature))
                 if row["failed"]:
                     failures.failed(arm.key)
-                reqs.append(with_temperatures(req, own_temperatures, arm.temperature))
             if ratios and len(rows) >= 2 and rows[-1]["round"] == rows[-2]["round"] == rnd:
                 ratios.publish(rows[-2], rows[-1])
             rnd += 1
+    except (KeyboardInterrupt, Stopped) as e:
+        cut = e
     finally:
         if killer:
             killer.stop()
         if ratios:
             ratios.stop()
-        if started:
+        if not joined and ray.is_initialized():
             ray.shutdown()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if cut is not None and not rows:  # nothing finished: leave --out as it was
+        shutil.rmtree(plan.out / "rounds", ignore_errors=True)
+        if made_out:
+            shutil.rmtree(plan.out, ignore_errors=True)
+        raise cut
     rounds = pd.DataFrame(list(rows))
     kills = classify_kills(killer.events if killer else [], rounds)
     faults = pd.DataFrame(kills, columns=["time_s", "round", "arm", "worker", "pid", "after_end",
@@ -410,6 +501,11 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                                    "finish_reason", "ttft_s", "decode_tokens_per_s", "temperature"])
     summary = summarize(requests, rounds)
     summary["labels"] = {a.key: a.label for a in plan.arms}
+    summary["build"] = {a.key: builds[a.working_dir or REPO_ROOT] for a in plan.arms}
+    if cut is not None:  # (the cut round's files stay in rounds/, left out of the figures)
+        summary["interrupted"] = {
+            "signal": "SIGINT" if isinstance(cut, KeyboardInterrupt) else "SIGTERM",
+            "rounds_kept": summary["rounds"], "cut_round": rnd, "cut_arm": arm.key}
     summary["config_check"] = {a.key: a.checked_by for a in plan.arms}  # (soak/config.py)
     summary["job_env"] = {a.key: {"from": a.job_env_from, "variables": sorted(a.job_env),
                                   "withheld": sorted(a.job_env & set(os.environ))}
@@ -427,4 +523,6 @@ def run_soak(plan: SoakPlan) -> tuple[dict, int]:
                  if len(plan.arms) > 1 else pd.DataFrame(columns=["round", "id", "first_diff",
                                                                   "compared", "sampled"]),
                  faults, title)
+    if cut is not None:
+        raise cut
     return summary, 0 if not fails else 1

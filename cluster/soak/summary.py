@@ -175,10 +175,12 @@ def summarize(requests: pd.DataFrame, rounds: pd.DataFrame) -> dict:
         bad = failed(rounds)
         out["faults"]["failed_rounds"] = len(bad)
         runtime = bad["runtime_errors"].fillna(0) if "runtime_errors" in bad else [0] * len(bad)
+        unread = bad["stats_error"] if "stats_error" in bad else [None] * len(bad)
         out["failed_rounds"] = [{"round": int(r), "arm": a, "returncode": str(rc),
-                                 "runtime_errors": int(n)}
-                                for r, a, rc, n in zip(bad["round"], bad.arm, bad.returncode,
-                                                       runtime)]
+                                 "runtime_errors": int(n),
+                                 **({"stats_error": str(e)} if isinstance(e, str) else {})}
+                                for r, a, rc, n, e in zip(bad["round"], bad.arm, bad.returncode,
+                                                          runtime, unread)]
         for arm in arms:
             out["metrics"][arm]["failed_rounds"] = int((bad.arm == arm).sum())
     return out
@@ -199,10 +201,15 @@ def counters(rounds: pd.DataFrame) -> dict:
 
 def describe_failure(f: dict) -> str:
     """How a failed round (a summary["failed_rounds"] entry) failed, as words: "timed out",
-    "exit status 1, 3 rows failed at run time", "killed by signal 9"."""
-    how = describe_returncode(f["returncode"])
+    "exit status 1, 3 rows failed at run time", "killed by signal 9", "exit status 0, its
+    --stats unreadable (r000_A.stats.json: ...)"."""
+    how = [describe_returncode(f["returncode"])]
     n = f.get("runtime_errors") or 0
-    return f"{how}, {n} rows failed at run time" if n else how
+    if n:
+        how.append(f"{n} rows failed at run time")
+    if f.get("stats_error"):
+        how.append(f"its --stats unreadable ({f['stats_error']})")
+    return ", ".join(how)
 
 
 def describe_returncode(rc: str) -> str:

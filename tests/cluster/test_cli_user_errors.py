@@ -351,6 +351,48 @@ def test_ctrl_c_says_what_the_command_kept(tmp_path, capsys, monkeypatch):
     code, err = run_cli(capsys, "soak", "--config", str(arm), "--prompts", str(prompts),
                         "--rounds", "1", "--out", str(tmp_path / "soak"))
     assert code == 130 and unwound == [tmp_path / "soak"]
-    assert err == (f"kvfleet soak: interrupted; the rounds that finished are kept in "
-                   f"{tmp_path / 'soak' / 'rounds'} (results, stats, logs); no summary.json or "
-                   f"report.html was written\n")
+    assert err == (f"kvfleet soak: interrupted; no round had finished: nothing was kept, and "
+                   f"--out {tmp_path / 'soak'} can be given again\n")
+
+
+def test_generate_stats_written_in_part_leave_the_old_file_whole(tmp_path):
+    """write_text truncated the old --stats and wrote over it: a run killed (or a disk
+    filled) mid-write left a cut JSON, which `kvfleet soak` read as the round's. Now a
+    temporary file beside it is renamed over it, and a write that fails leaves the old file
+    and no temporary one."""
+    import os
+    import subprocess
+    stats = tmp_path / "run.stats.json"
+    old = {"tokens": 3, "note": "the previous run's"}
+    stats.write_text(json.dumps(old))
+    code = """\
+import resource, signal, sys, types
+from pathlib import Path
+from cluster.cli import UsageError
+from cluster.commands.generate import write_stats
+from cluster.scheduler import SchedulerStats
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a write past the limit fails with EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+summary = types.SimpleNamespace(
+    stats=SchedulerStats(tokens=7, fallbacks={"cpu.x": 2}), done=1, errors=0, runtime_errors=0,
+    skipped=0, wall_s=1.0, out="o.parquet",
+    workers=[{"rank": i, "note": "\\u00e9<x>" * 16} for i in range(2000)])  # (~400 KB)
+try:
+    write_stats(summary, types.SimpleNamespace(kv="f32"), Path(sys.argv[1]))
+except UsageError as e:
+    print(e)
+"""
+    p = subprocess.run([sys.executable, "-c", code, str(stats)], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       timeout=120)
+    assert p.stdout == (f"--stats {stats}: cannot write it (File too large); the results are in "
+                        "o.parquet\n"), p.stderr
+    assert json.loads(stats.read_text()) == old
+    assert [f.name for f in tmp_path.iterdir()] == [stats.name]
+    p = subprocess.run([sys.executable, "-c", code.replace("65536", "1 << 30"), str(stats)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and p.stdout == "", p.stderr
+    got = json.loads(stats.read_text())
+    assert got["tokens"] == 7 and got["fallbacks"] == {"cpu.x": 2} and len(got["workers"]) == 2000
+    assert [f.name for f in tmp_path.iterdir()] == [stats.name]

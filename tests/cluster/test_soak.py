@@ -168,3 +168,48 @@ def test_an_arm_that_fell_back_is_named_on_stderr(setup, capsys, monkeypatch):
     assert (f"soak: warning: arm B (polar3) fell back from native paths in its rounds: "
             f"cpu.polar_rebuild_rows {n}x") in err
     assert "arm A (f32) fell back" not in err
+
+
+def test_sigterm_mid_soak_keeps_the_finished_rounds(setup, tmp_path):
+    """`kvfleet soak ... & kill -TERM $!` in round 1: Ray's driver handler ended it with exit
+    15 and no summary.json or report of round 0, the cut round's lock file stayed in rounds/,
+    and a rerun on that --out was refused as merely used. Now: exit 143, the finished rounds'
+    summary (marked interrupted) and report, no lock left, one line saying what was kept."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from runtime_helpers import ROOT
+    d, prompts, a, _ = setup
+    out = tmp_path / "t2"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster", "soak", "--config", str(a), "--prompts", str(prompts),
+         "--rounds", "4", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # until a round after the first has its run going (it holds its lock)
+            locks = [p for p in (out / "rounds").glob("r00[123]_A.parquet.lock")]
+            if locks:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        cut = int(locks[0].name[1:4])
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["interrupted"] == {"signal": "SIGTERM", "rounds_kept": cut, "cut_round": cut,
+                                "cut_arm": "A"}, err[-3000:]
+    assert s["rounds"] == cut and s["faults"]["lost_requests"] == 0
+    assert (out / "report.html").exists()
+    assert not list((out / "rounds").glob("*.lock"))
+    assert err.splitlines()[-1] == (
+        f"kvfleet soak: stopped by SIGTERM; the {cut} rounds that finished are in "
+        f"{out}/summary.json and {out}/report.html (marked interrupted; round {cut} arm A was "
+        f"cut and is left out), their files in {out / 'rounds'}; a soak is not resumed: give "
+        f"another --out, or remove {out} to start over")

@@ -1,6 +1,7 @@
 """The soak report renders in a real headless browser: no errors, every plot decoded."""
 import json
 import re
+import subprocess
 from html.parser import HTMLParser
 
 import numpy as np
@@ -222,7 +223,8 @@ class _ArmsTable(HTMLParser):
 def _arm_rows(page):
     rows = _ArmsTable(page).rows
     assert rows and [c for _, c in rows[0][1]] == [
-        "arm", "label", "job config check", "job variables declared by", "withheld from its rounds"]
+        "arm", "label", "build", "job config check", "job variables declared by",
+        "withheld from its rounds"]
     return rows[1:]
 
 
@@ -267,6 +269,13 @@ def test_report_arms_table_from_a_real_soak_escapes_and_marks_the_fallback(
         "import types\nJOB_ENV = ('KV8', 'NEW_<KNOB>&')\n"
         "def load_job_config(path):\n"
         "    return types.SimpleNamespace(sampling=types.SimpleNamespace(temperature=0.0))\n")
+    # B's checkout is a git repository, committed (A's is none): its build is recorded
+    (new / "pyproject.toml").write_text('[project]\nname = "kvfleet"\nversion = "9.<i>"\n')
+    git = ["git", "-C", str(new), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "b"]):
+        subprocess.run(git + args, check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
     labels = {"A": '<script>alert("a")</script>', "B": "kv8 & <b>bold</b>"}
     paths = {}
     for key, wd in (("A", old), ("B", new)):
@@ -285,8 +294,15 @@ def test_report_arms_table_from_a_real_soak_escapes_and_marks_the_fallback(
     check_a, env_a = written["config_check"]["A"], written["job_env"]["A"]
     assert "could not" in check_a and "could not" in env_a["from"]  # (the fallback, both)
     n = len(JOB_ENV)
+    build_a = written["build"]["A"]
+    assert build_a["commit"] is None and build_a["dirty"] is None
+    assert "not a git repository" in build_a["git_error"]
+    assert written["build"]["B"] == {"checkout": str(new), "commit": head, "dirty": False,
+                                     "changed_files": 0, "git_error": None, "version": "9.<i>",
+                                     "version_error": None}
     assert ca == "warn" and a == [
         ("", "A"), ("", labels["A"]),
+        ("unknown", f"{old}: no git commit ({build_a['git_error']})"),
         ("warn", f"warning: passed, but checked by {check_a} instead, whose schema may accept "
                  "a setting that build refuses"),
         ("warn", f"warning: {env_a['from']}: {n} job variables, this checkout's; one that only "
@@ -296,7 +312,8 @@ def test_report_arms_table_from_a_real_soak_escapes_and_marks_the_fallback(
     assert written["job_env"]["B"]["withheld"] == ["KV8", "NEW_<KNOB>&"]
     n = len(written["job_env"]["B"]["variables"])
     assert cb == "" and b == [
-        ("", "B"), ("", labels["B"]), ("pass", f"passed, checked by its own checkout {new}"),
+        ("", "B"), ("", labels["B"]), ("", f"{new}, kvfleet 9.<i>, git {head}, clean"),
+        ("pass", f"passed, checked by its own checkout {new}"),
         ("", f"its own checkout {new} ({n} job variables)"),
         ("", f"KV8, NEW_<KNOB>& (2 of its {n} job variables, set here)")]
     assert page.index("<h2>arms</h2>") < page.index("<img")  # near the top, after the gate
@@ -308,13 +325,13 @@ def test_report_arms_of_an_older_summary_say_not_recorded(tmp_path):
     arm's row saying "not recorded" (not a check passed, nor nothing withheld)."""
     page, _ = _two_arm_report(tmp_path)
     assert _arm_rows(page) == [
-        ("", [("", arm), ("", "not recorded")] + [("unknown", "not recorded")] * 3)
+        ("", [("", arm), ("", "not recorded")] + [("unknown", "not recorded")] * 4)
         for arm in "AB"]
     page, _ = _two_arm_report(tmp_path, labels={"A": "f32"}, config_check={"A": "this checkout"})
     assert _arm_rows(page) == [
-        ("", [("", "A"), ("", "f32"), ("pass", "passed, checked by this checkout")]
-         + [("unknown", "not recorded")] * 2),
-        ("", [("", "B"), ("", "not recorded")] + [("unknown", "not recorded")] * 3)]
+        ("", [("", "A"), ("", "f32"), ("unknown", "not recorded"),
+              ("pass", "passed, checked by this checkout")] + [("unknown", "not recorded")] * 2),
+        ("", [("", "B"), ("", "not recorded")] + [("unknown", "not recorded")] * 4)]
 
 
 def test_report_arms_with_hostile_names_and_empty_or_unreadable_records(tmp_path):
@@ -322,8 +339,11 @@ def test_report_arms_with_hostile_names_and_empty_or_unreadable_records(tmp_path
     writes (a config_check that is no text, a job_env "from" that names no checkout, a
     withheld that is no list), which are marked as warnings, never shown as normal."""
     arms = ('<img src=x onerror="alert(1)">', "A&amp;B")
+    dirty = {"checkout": "/x/<y>", "commit": "ab" * 20, "dirty": True, "changed_files": 1,
+             "version": None}
     page, _ = _two_arm_report(
         tmp_path, arms=arms, labels={arms[0]: "</table>"},
+        build={arms[0]: dirty, arms[1]: ["/x"]},
         config_check={arms[0]: "its own checkout /x/<y>", arms[1]: {"ok": True}},
         job_env={arms[0]: {"from": "its own checkout /x/<y>", "variables": ["KV8", "KV_TQ"],
                            "withheld": []},
@@ -331,18 +351,22 @@ def test_report_arms_with_hostile_names_and_empty_or_unreadable_records(tmp_path
     assert "<img src=x" not in page
     rows = sorted(_arm_rows(page), key=lambda r: r[1][0][1])
     assert rows == sorted([
-        ("", [("", arms[0]), ("", "</table>"),
+        ("warn", [("", arms[0]), ("", "</table>"),
+                  ("warn", f"warning: /x/<y>, git {'ab' * 20}, dirty (1 changed file: the "
+                           "commit is not all that ran)"),
               ("pass", "passed, checked by its own checkout /x/<y>"),
               ("", "its own checkout /x/<y> (2 job variables)"),
               ("", "none (none of its 2 job variables is set here)")]),
         ("warn", [("", arms[1]), ("", "not recorded"),
+                  ("warn", 'warning: unreadable record: ["/x"]'),
                   ("warn", 'warning: unreadable record: {"ok": true}')]
          + [("warn", 'warning: unreadable record: {"from": "elsewhere", "variables": [], '
                      '"withheld": "KV8"}')] * 2)], key=lambda r: r[1][0][1])
     # a summary whose records are not per arm at all
-    page, _ = _two_arm_report(tmp_path, config_check="its own checkout /x", job_env=["KV8"])
+    page, _ = _two_arm_report(tmp_path, config_check="its own checkout /x", job_env=["KV8"],
+                              build="/x")
     assert _arm_rows(page) == [
-        ("warn", [("", arm), ("", "not recorded"),
+        ("warn", [("", arm), ("", "not recorded"), ("warn", 'warning: unreadable record: "/x"'),
                   ("warn", 'warning: unreadable record: "its own checkout /x"')]
          + [("warn", 'warning: unreadable record: ["KV8"]')] * 2) for arm in "AB"]
 
@@ -351,20 +375,28 @@ def test_arm_lines_say_per_arm_what_was_withheld():
     """The console's per-arm lines (the arms table as text): the fallback is a warning."""
     from cluster.soak.report import arm_lines
     fallback = "this checkout /r (its own checkout /o could not: no module)"
+    commit = "0123456789abcdef0123456789abcdef01234567"
     assert arm_lines({"arms": ["A", "B"], "labels": {"A": "f32", "B": "kv8"},
+                      "build": {"A": {"checkout": "/n", "commit": commit, "dirty": False,
+                                      "changed_files": 0, "version": "0.1.0"},
+                                "B": {"checkout": "/o", "commit": None, "dirty": None,
+                                      "git_error": "no git binary on PATH"}},
                       "config_check": {"A": "its own checkout /n", "B": fallback},
                       "job_env": {"A": {"from": "its own checkout /n", "variables": ["KV8"],
                                         "withheld": ["KV8"]},
                                   "B": {"from": fallback, "variables": ["KV8", "KV_TQ"],
                                         "withheld": []}}}) == [
-        "soak: arm A (f32): job config passed, checked by its own checkout /n; job variables "
+        f"soak: arm A (f32): build /n, kvfleet 0.1.0, git {commit}, clean; "
+        "job config passed, checked by its own checkout /n; job variables "
         "declared by its own checkout /n (1 job variable); withheld from its rounds: KV8 "
         "(1 of its 1 job variable, set here)",
-        f"soak: warning: arm B (kv8): job config passed, but checked by {fallback} instead, "
+        "soak: warning: arm B (kv8): build /o: no git commit (no git binary on PATH); "
+        f"job config passed, but checked by {fallback} instead, "
         f"whose schema may accept a setting that build refuses; job variables declared by "
         f"{fallback}: 2 job variables, this checkout's; one that only that build reads, if "
         "set here, still reaches its rounds; withheld from its rounds: none (none of its 2 "
         "job variables is set here)"]
     assert arm_lines({"arms": ["A"], "metrics": {}}) == [
-        "soak: arm A (not recorded): job config not recorded; job variables declared by not "
+        "soak: arm A (not recorded): build not recorded; job config not recorded; job "
+        "variables declared by not "
         "recorded; withheld from its rounds: not recorded"]

@@ -791,3 +791,201 @@ def test_a_slower_b_past_the_duration_is_measured_not_timed_out(tmp_path, monkey
     assert b > 2 * a  # (what the old limit, 2x A's round, cut)
     assert summary["failed_rounds"] == [] and summary["faults"]["lost_requests"] == 0
     assert summary["ratio_B_over_A"]["wall_s"]["n"] == 1
+
+
+def _git(wd, *args):
+    return subprocess.run(["git", "-C", str(wd), "-c", "user.name=t", "-c", "user.email=t@t",
+                           *args], check=True, capture_output=True, text=True).stdout
+
+
+def test_build_info_records_the_commit_the_dirt_and_why_not(tmp_path, monkeypatch):
+    """summary.json did not say which build an arm ran: now its checkout's commit, whether
+    its tree was dirty (and how much), its version; where git cannot say, null and why."""
+    from cluster.soak.build import build_info
+    repo = tmp_path / "repo"
+    (repo / "cluster").mkdir(parents=True)
+    (repo / "cluster" / "x.py").write_text("a = 1\n")
+    (repo / "pyproject.toml").write_text("[project]\nversion = \"0.2.0rc1\"\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "x")
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    assert build_info(repo) == {"checkout": str(repo), "commit": head, "dirty": False,
+                                "changed_files": 0, "git_error": None, "version": "0.2.0rc1",
+                                "version_error": None}
+    (repo / "cluster" / "x.py").write_text("a = 2\n")  # modified, and two untracked files
+    (repo / "new file.py").write_text("")
+    (repo / "pyproject.toml").write_text("[project\n")
+    (repo / "other.py").write_text("")
+    got = build_info(repo)
+    assert (got["commit"], got["dirty"], got["changed_files"]) == (head, True, 4)
+    assert got["version"] is None and got["version_error"].startswith("pyproject.toml: ")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    got = build_info(plain)
+    assert got["commit"] is got["dirty"] is got["changed_files"] is None
+    assert "not a git repository" in got["git_error"] and got["version_error"] == "no pyproject.toml"
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # (no git binary on it)
+    got = build_info(repo)
+    assert got["commit"] is None and got["git_error"] == "no git binary on PATH"
+    assert build_info(tmp_path / "gone")["commit"] is None  # (a checkout gone since: no crash)
+
+
+def test_the_console_names_each_arms_build_and_what_was_withheld(tmp_path, monkeypatch, capsys):
+    """arm_lines was printed by nothing: the console said only 'gate passed'. Now one line
+    per arm after the gate line, with its git revision (none: a checkout that is no git
+    repository); a gate in B's file, which is ignored, is warned about once."""
+    from cluster.cli import main
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, SERVE_EVERY_LINE + (
+        "import sys\nserve(sys.argv[sys.argv.index('--out') + 1])\n"),
+        "  label: a\n  gate: {min_throughput_ratio: null}\n")
+    b = tmp_path / "b.yaml"
+    b.write_text("kv: kv8\nsoak:\n  label: b\n  working_dir: build\n  gate:\n"
+                 "    max_lost_requests: 3\n")
+    monkeypatch.setenv("KV8", "1")
+    code = main(["soak", "--config", str(cfg), "--vs", str(b), "--prompts",
+                 str(_prompts(tmp_path)), "--rounds", "1", "--out", str(tmp_path / "soak")])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    lines = out.splitlines()
+    gate = next(i for i, line in enumerate(lines) if "gate passed" in line)
+    s = json.loads((tmp_path / "soak" / "summary.json").read_text())
+    why = s["build"]["A"]["git_error"]
+    assert "not a git repository" in why and s["build"]["B"] == s["build"]["A"]
+    build = tmp_path / "build"
+    for i, (arm, label) in enumerate((("A", "a"), ("B", "b"))):
+        assert lines[gate + 1 + i].startswith(
+            f"soak: warning: arm {arm} ({label}): build {build}: no git commit ({why}); job "
+            "config passed, but checked by this checkout "), lines
+        assert lines[gate + 1 + i].endswith("withheld from its rounds: KV8 (1 of its "
+                                            f"{len(JOB_ENV)} job variables, set here)")
+
+
+def test_a_gate_in_the_b_file_is_warned_about_once(tmp_path, monkeypatch, caplog):
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, SERVE_EVERY_LINE + (
+        "import sys\nserve(sys.argv[sys.argv.index('--out') + 1])\n"), "")
+    b = tmp_path / "b.yaml"
+    b.write_text("kv: kv8\nsoak:\n  working_dir: build\n  gate: {}\n")
+    plan = runner.SoakPlan(arms=[load_arm(cfg, "A"), load_arm(b, "B")],
+                           prompts=_prompts(tmp_path), out=tmp_path / "soak", rounds=1)
+    caplog.clear()
+    runner.run_soak(plan)
+    warned = [r.getMessage() for r in caplog.records if "soak.gate" in r.getMessage()]
+    assert warned == [f"soak: --vs {b}: its soak.gate is ignored: the gate is arm A's "
+                      f"(--config {cfg})"]
+    b.write_text("kv: kv8\nsoak:\n  working_dir: build\n")  # (no gate of its own: no warning)
+    caplog.clear()
+    runner.run_soak(runner.SoakPlan(arms=[load_arm(cfg, "A"), load_arm(b, "B")],
+                                    prompts=_prompts(tmp_path), out=tmp_path / "s2", rounds=1))
+    assert not [r for r in caplog.records if "soak.gate" in r.getMessage()]
+
+
+TRUNCATED_STATS_GENERATE = SERVE_EVERY_LINE + """\
+# generate that serves every line, then leaves a --stats cut short in round 0 (a run killed
+# while it wrote them, by an older build's non-atomic write) and whole ones after
+import json, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+stats = sys.argv[sys.argv.index("--stats") + 1]
+serve(out)
+doc = json.dumps({"tokens": 8, "wall_s": 2.0, "worker_deaths": 0})
+open(stats, "w").write(doc[:17] if "r000_" in stats else doc)
+"""
+
+
+def test_a_round_whose_stats_are_truncated_fails_that_round_not_the_soak(tmp_path, monkeypatch):
+    """json.loads of round 0's cut --stats raised out of the soak: every round lost, no
+    summary. That round fails now (counted, its reason in the summary and the report),
+    and the soak goes on."""
+    cfg = _fake_checkout_arm(tmp_path, monkeypatch, TRUNCATED_STATS_GENERATE, "")
+    out = tmp_path / "soak"
+    summary, code = runner.run_soak(runner.SoakPlan(arms=[load_arm(cfg)],
+                                                    prompts=_prompts(tmp_path), out=out, rounds=2))
+    assert code == 1
+    [bad] = summary["failed_rounds"]
+    assert (bad["round"], bad["returncode"]) == (0, "0")
+    assert bad["stats_error"].startswith("r000_A.stats.json: ")
+    assert summary["gate"]["failures"] == [
+        f"failed rounds (round 0 A: exit status 0, its --stats unreadable "
+        f"({bad['stats_error']})) = 1 > 0"]
+    rounds = pd.read_parquet(out / "rounds.parquet")
+    assert rounds.failed.tolist() == [True, False]
+    assert rounds.throughput_tok_s.tolist()[1] == 4.0  # (round 1's stats were read)
+    assert "its --stats unreadable" in (out / "report.html").read_text()
+
+
+SIGNAL_GENERATE = SERVE_EVERY_LINE + """\
+# generate that serves round 0; in round ROUND it takes its --out's lock file (as the results
+# store does), signals the soak (its parent) with SIG, and waits to be stopped
+import os, signal, sys, time
+out = sys.argv[sys.argv.index("--out") + 1]
+if "rROUND_" in out:
+    open(out + ".lock", "w").close()
+    os.kill(os.getppid(), signal.SIG)
+    time.sleep(60)
+serve(out)
+"""
+
+
+def _signal_arm(tmp_path, monkeypatch, sig: str, rnd: int):
+    gen = SIGNAL_GENERATE.replace("ROUND", f"{rnd:03d}").replace("signal.SIG", f"signal.{sig}")
+    return _fake_checkout_arm(tmp_path, monkeypatch, gen, "  label: a\n")
+
+
+def test_sigterm_mid_soak_writes_the_finished_rounds_and_refuses_a_rerun(
+        tmp_path, monkeypatch, capsys):
+    """SIGTERM in round 1 ended the soak (Ray's driver handler: exit 15) with no summary of
+    round 0 and the cut round's lock file left in rounds/. Now it stops as Ctrl-C does:
+    summary.json and report.html of the finished round, marked interrupted, no lock left,
+    the kept-rounds line, exit 143; a rerun on that --out is refused, saying how to start
+    over (a soak is not resumed)."""
+    from cluster.cli import main
+    cfg = _signal_arm(tmp_path, monkeypatch, "SIGTERM", 1)
+    out = tmp_path / "soak"
+    args = ["soak", "--config", str(cfg), "--prompts", str(_prompts(tmp_path)), "--rounds", "3",
+            "--out", str(out)]
+    t0 = runner.time.monotonic()
+    assert main(args) == 143
+    assert runner.time.monotonic() - t0 < 30  # (the cut round was not waited for)
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"kvfleet soak: stopped by SIGTERM; the 1 rounds that finished are in {out}/summary.json "
+        f"and {out}/report.html (marked interrupted; round 1 arm A was cut and is left out), "
+        f"their files in {out / 'rounds'}; a soak is not resumed: give another --out, or "
+        f"remove {out} to start over\n"), err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["interrupted"] == {"signal": "SIGTERM", "rounds_kept": 1, "cut_round": 1,
+                                "cut_arm": "A"}
+    assert s["rounds"] == 1 and s["faults"]["lost_requests"] == 0
+    assert len(pd.read_parquet(out / "requests.parquet")) == 4
+    assert (out / "report.html").exists()
+    assert not list((out / "rounds").glob("*.lock"))
+    assert (out / "rounds" / "r001_A.log").exists()  # (the cut round's log stays)
+    assert runner.signal.getsignal(runner.signal.SIGTERM) is not runner.stop_on_sigterm
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"kvfleet soak: error: --out {out}: holds a soak interrupted by SIGTERM after 1 rounds "
+        f"(its summary.json and report.html are of those); a soak is not resumed; give "
+        f"another --out, or remove it (rm -r {out}) to start over\n")
+
+
+def test_ctrl_c_before_any_round_finished_leaves_the_out_reusable(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the first round left an empty OUT/rounds/, said 'the rounds that finished
+    are kept' (none had), and a rerun was refused as 'not a new or empty directory'."""
+    from cluster.cli import main
+    cfg = _signal_arm(tmp_path, monkeypatch, "SIGINT", 0)
+    out = tmp_path / "soak"
+    args = ["soak", "--config", str(cfg), "--prompts", str(_prompts(tmp_path)), "--rounds", "1",
+            "--out", str(out)]
+    assert main(args) == 130
+    assert capsys.readouterr().err.endswith(
+        f"kvfleet soak: interrupted; no round had finished: nothing was kept, and --out {out} "
+        "can be given again\n")
+    assert not out.exists()
+    out.mkdir()  # (an empty --out given: left there, empty)
+    assert main(args) == 130 and list(out.iterdir()) == []
+    capsys.readouterr()
+    cfg.write_text(cfg.read_text().replace("working_dir: build", "working_dir: served"))
+    served = tmp_path / "served" / "cluster"
+    served.mkdir(parents=True)
+    (served / "__main__.py").write_text(SIGNAL_GENERATE.replace("ROUND", "999"))
+    assert main(args) == 0, capsys.readouterr().err

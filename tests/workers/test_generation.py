@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,6 +83,45 @@ def test_score_command_writes_the_out_path_it_names(tiny, tmp_path, capsys):
     rc = cli_main(["score", "--model", str(tiny()), "--tokens", str(tmp_path / "ids.json"),
                    "--out", str(tmp_path)])  # a directory: a usage error, no tmp_path.npy beside it
     assert rc == 2 and "is a directory" in capsys.readouterr().err
+
+
+def _limited(code: str, *args: str, fsize: int) -> subprocess.CompletedProcess:
+    """`code` run in a python whose files cannot grow past `fsize` bytes (a write past it
+    fails with EFBIG, as on a full disk), from this checkout."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=root, preexec_fn=limit,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_score_out_that_cannot_be_written_is_one_line_and_keeps_the_old_file(tiny, tmp_path,
+                                                                             capsys):
+    """--out /dev/full: an OSError traceback after the forward pass; and np.save wrote over
+    the old file in place, so a write cut short (a full disk) left a truncated .npy."""
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([3, 200, 45, 9, 311, 77]))
+    rc = cli_main(["score", "--model", str(tiny()), "--tokens", str(ids), "--out", "/dev/full"])
+    assert rc == 2 and capsys.readouterr().err == (
+        "kvfleet score: error: --out /dev/full: cannot write it (No space left on device); the "
+        "forward pass ran, nothing was written\n")
+    assert Path("/dev/full").is_char_device()  # (written in place, never renamed over)
+    out = tmp_path / "logits.npy"
+    old = np.array([1.5, np.nan, -np.inf, 0.0, 3e38], np.float32)
+    np.save(out, old)
+    p = _limited("import sys; from cluster.cli import main; sys.exit(main(sys.argv[1:]))",
+                 "score", "--model", str(tiny()), "--tokens", str(ids), "--out", str(out),
+                 fsize=4096)  # (6 x 512 float32 logits: 12 KiB)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1] == (
+        f"kvfleet score: error: --out {out}: cannot write it (File too large); the forward "
+        "pass ran, nothing was written"), p.stderr
+    np.testing.assert_array_equal(np.load(out), old)  # (NaN where it was NaN: untouched)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["ids.json", "logits.npy"]
 
 
 @pytest.mark.parametrize("content,match", [
