@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.cli import UsageError
 from cluster.config import JOB_ENV, REPO_ROOT, validate_job_config
+from cluster.yaml_config import DuplicateKeyError, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +189,13 @@ def _check_in_checkout(job: dict, path: Path, wd: Path) -> tuple[dict | None, st
 def load_arm(path: str | Path, key: str = "A") -> SoakArm:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except OSError as e:
         raise UsageError(f"{FLAGS.get(key, 'arm ' + key)} {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except DuplicateKeyError as e:  # (PyYAML keeps the last: the arm would run another config)
+        raise UsageError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise UsageError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

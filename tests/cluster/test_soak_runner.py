@@ -172,6 +172,19 @@ def test_arm_file_that_is_not_utf8_is_a_usage_error(tmp_path):
         load_arm(cfg)
 
 
+def test_arm_file_with_a_key_given_twice_is_a_usage_error(tmp_path):
+    """PyYAML keeps the last of two equal keys: an arm file with `slots: 2` then `slots: 8`
+    (in its job part or in its soak section) ran with 8, unlike a job config given to
+    generate, which refuses it."""
+    for text, key, lines in (("kv: kv8\nslots: 2\nslots: 8\n", "slots", (3, 2)),
+                             ("kv: kv8\nsoak:\n  label: new\n  label: old\n", "label", (4, 3))):
+        cfg = tmp_path / "B.yaml"
+        cfg.write_text(text)
+        with pytest.raises(UsageError, match=rf"B\.yaml: line {lines[0]}: key '{key}' is given "
+                                             rf"twice in one mapping \(first on line {lines[1]}\)"):
+            load_arm(cfg, "B")
+
+
 def test_prompts_that_cannot_be_read_are_a_usage_error(tmp_path):
     """--prompts DIR passed the command's exists() check and ended in IsADirectoryError (a
     traceback) after --out was created."""
