@@ -28,6 +28,7 @@ import numpy as np
 from cluster.config import JobConfig
 from cluster.metrics import JobMetrics
 from cluster.placement import Placement, fleet_placements, split_owners
+from cluster.ray_options import PLAIN_FIELDS
 from workers.actor import LocalGroup, StepBatch, StepOutput
 from workers.collect import StepHung, collect_steps
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
@@ -47,7 +48,11 @@ class ShardedGroup:
     def __init__(self, cfg: JobConfig, placements: list[Placement], sharded: bool = True,
                  metrics: JobMetrics | None = None, start_timeout_s: float = 600.0):
         import ray
+        from cluster.ray_options import check_placeable
         from workers.ep_worker import ShardedWorker
+        w = cfg.workers  # (an actor no node can host would keep the job waiting: fail first)
+        check_placeable(ray, [(p.spec.name, p.options) for p in placements],
+                        f"workers.fleet {w.fleet}" if w.fleet is not None else PLAIN_FIELDS)
         self.sharded = sharded
         self.metrics = metrics or JobMetrics()  # Ray metrics (Ray is up by now)
         self.names = [p.spec.name for p in placements]
