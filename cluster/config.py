@@ -75,7 +75,8 @@ class Workers(_Frozen):
     # killed and its sequences re-run elsewhere (workers/actor.py RayGroup). Absolute, so it
     # must cover the slowest host's longest step (a CPU worker's prefill chunk). 0 or null:
     # no timeout (a hung worker then holds the job). Expert-parallel groups find a hung
-    # worker by pinging it once a peer's step fails (cluster/ep_group.py) and ignore it.
+    # worker by pinging a step that runs long or outlives a peer's failed one
+    # (cluster/ep_group.py) and ignore it.
     step_timeout_s: float | None = 600.0
 
     @field_validator("step_timeout_s", mode="before")

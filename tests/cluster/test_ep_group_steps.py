@@ -138,3 +138,59 @@ def test_a_hung_worker_is_pinged_once_not_twice(ray):
     assert pinged == [[2], [0, 1]]  # was [[2], [0, 1, 2]]
     # grace 1 s + one ping timeout 3 s (+ Ray's calls); twice the ping timeout took >= 7 s
     assert 4.0 <= took < 6.5, took
+
+
+def test_a_hung_worker_no_peer_calls_is_found_by_a_ping(ray):
+    """The only worker with a step hangs (its process stopped): no peer's step fails, so
+    no grace ever started and the group waited for it for ever (a one-prompt job on a fleet,
+    or a job's last sequences on one worker). Its step is pinged watch_s after it began: no
+    answer, so it is dead. A slow step beside it answers every ping and is waited for."""
+    import os
+    import signal
+    import threading
+
+    from cluster.ep_group import WorkerDied
+    from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
+
+    @ray.remote(concurrency_groups={EXPERT_GROUP: EXPERT_CALL_THREADS})
+    class Stand:
+        def pid(self):
+            return os.getpid()
+
+        def step(self, what):
+            time.sleep({"hang": 600, "slow": 6}.get(what, 0))
+            return what
+
+        def alive(self):
+            return 1
+
+        def reassign(self, owners, drop_peers=(), pinned=None):
+            return {}
+
+    actors = [Stand.remote() for _ in range(3)]
+    g = _group_of(ray, actors, ["w0", "w1", "w2"])
+    g.watch_s, g.ping_timeout_s = 1.0, 2.0
+    pinged, silent = [], g._silent
+    g._silent = lambda workers, *a: (pinged.append(sorted(workers)), silent(workers, *a))[1]
+    pid = ray.get(actors[1].pid.remote())
+    ray.get(actors[1].step.remote("warm"))
+    os.kill(pid, signal.SIGSTOP)
+    box = {}
+    t0 = time.monotonic()
+    job = threading.Thread(target=lambda: box.update(out=g.step_all({1: "hang", 2: "slow"})), daemon=True)
+    job.start()
+    job.join(40)
+    took = time.monotonic() - t0
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    if job.is_alive():  # (the old code: let the stand-in go, so the thread ends)
+        ray.kill(actors[1])
+    assert not job.is_alive(), "the group still waits for the hung worker's step"
+    out = box["out"]
+    assert isinstance(out[1], WorkerDied) and "does not answer a ping" in str(out[1])
+    assert out[2] == "slow" and g.dead == {1} and g.deaths == 1
+    assert pinged[0] == [1, 2] and [1] not in pinged[1:]  # the slow one pinged again meanwhile
+    assert pinged.count([0, 2]) == 1 and pinged.count([2]) >= 1, pinged
+    assert took < 20, took
