@@ -12,6 +12,7 @@ when the job starts: a cluster that an autoscaler would grow later is not forese
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Mapping
 
 from pydantic import AfterValidator, Field
@@ -38,13 +39,26 @@ def resources_error(resources: Mapping[str, float]) -> str | None:
     return None
 
 
+# Ray's label syntax (Kubernetes', as ray/_private/label_utils.py checks a label_selector
+# when an actor is made): a name of up to 63 characters, alphanumeric at both ends; a key
+# may have a DNS-subdomain prefix and "/"; a selector value is `v`, `!v`, `in(a, b)`, `!in(a, b)`
+_NAME = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
+_PREFIX = rf"({_NAME})(\.({_NAME}))*"
+_VALUE = rf"!?(in)?\({_NAME}(, ?{_NAME})*\)|!?{_NAME}"
+
+
 def labels_error(labels: Mapping[str, str]) -> str | None:
-    """Why Ray would refuse this label selector (its own check, which runs only when an
-    actor is made), or None."""
-    if not labels:
-        return None
-    from ray._private.label_utils import validate_label_selector
-    return validate_label_selector(dict(labels))
+    """Why Ray would refuse this label selector when it makes the actor, or None."""
+    for key, value in labels.items():
+        prefix, _, name = key.rpartition("/")
+        if ("/" in key and (len(prefix) > 253 or not re.fullmatch(_PREFIX, prefix))) \
+                or not re.fullmatch(_NAME, name):
+            return (f"label key {key!r} is not one Ray takes: a name of up to 63 letters, digits, "
+                    f"'-', '_' or '.', alphanumeric at both ends (optionally after a DNS prefix and '/')")
+        if value and not re.fullmatch(_VALUE, value):
+            return (f"label {key}: {value!r} is no Ray label selector value: give a value "
+                    f"(`a`), `!a`, `in(a, b)` or `!in(a, b)`, values as label names")
+    return None
 
 
 def _valid_resources(v: dict[str, float]) -> dict[str, float]:

@@ -26,8 +26,11 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
     ("resources: {CPU: 1}", "nodes.1.resources", "'CPU' is one of Ray's own resources"),
     ("resources: {memory: 8}", "nodes.1.resources", "'memory' is one of Ray's own resources"),
     ("resources: {box: 0}", "nodes.1.resources", "box=0: an amount must be > 0"),
-    ("labels: {'zone a': x}", "nodes.1.labels", "Invalid label key name `zone a`"),
-    ("labels: {zone: 'in(a,'}", "nodes.1.labels", "Invalid label selector value"),
+    ("labels: {'zone a': x}", "nodes.1.labels", "label key 'zone a' is not one Ray takes"),
+    ("labels: {'-zone': x}", "nodes.1.labels", "label key '-zone' is not one Ray takes"),
+    ("labels: {'x/y/zone': x}", "nodes.1.labels", "label key 'x/y/zone' is not one Ray takes"),
+    ("labels: {zone: 'in(a,'}", "nodes.1.labels", "label zone: 'in(a,' is no Ray label selector value"),
+    ("labels: {zone: 'a b'}", "nodes.1.labels", "label zone: 'a b' is no Ray label selector value"),
 ])
 def test_what_ray_would_refuse_at_the_actor_is_a_fleet_error(tmp_path, extra, where, why):
     f = tmp_path / "fleet.yaml"
@@ -38,10 +41,22 @@ def test_what_ray_would_refuse_at_the_actor_is_a_fleet_error(tmp_path, extra, wh
     assert str(e.value).startswith(f"{f}: {where}: ") and why in str(e.value)
 
 
+def test_label_syntax_is_rays():
+    """The fleet's check agrees with Ray's own, which runs only when the actor is made."""
+    from ray._private.label_utils import validate_label_selector
+
+    from cluster.ray_options import labels_error
+    for sel in ({"zone": "a"}, {"zone": "!a"}, {"zone": "in(a, b)"}, {"zone": "!in(a,b)"},
+                {"example.com/zone": "a-1"}, {"k": ""}, {"zone a": "x"}, {"-k": "x"}, {"k-": "x"},
+                {"a..b/k": "x"}, {"k": "in()"}, {"k": "a b"}, {"k": "!!a"}, {"k" * 64: "x"},
+                {"k": "in(a, -b)"}, {"x/y/z": "a"}):
+        assert (labels_error(sel) is None) == (validate_label_selector(sel) is None), sel
+
+
 def test_the_job_configs_workers_resources_are_checked_alike():
     with pytest.raises(JobConfigError, match="workers.resources: .*'GPU' is one of Ray's own"):
         load_job_config(env={}, overrides={"workers": {"resources": {"GPU": 1}}})
-    with pytest.raises(JobConfigError, match="workers.label_selector: .*Invalid label key"):
+    with pytest.raises(JobConfigError, match="workers.label_selector: .*label key '-k' is not one Ray takes"):
         load_job_config(env={}, overrides={"workers": {"label_selector": {"-k": "v"}}})
     w = load_job_config(env={}, overrides={"workers": {"resources": {"x": 0.5},
                                                        "label_selector": {"zone": "!in(a, b)"}}}).workers
