@@ -24,12 +24,13 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.cli import UsageError
+from cluster.ray_options import LabelSelector, Resources
 from cluster.yaml_config import DuplicateKeyError, load_yaml
 from kernels.tiers import TIERS, get_tier
 
@@ -65,9 +66,9 @@ class Workers(_Frozen):
     count: int = Field(1, ge=1)
     fleet: Path | None = None
     num_cpus: float = Field(1.0, ge=0.0)
-    # e.g. {"cpu_worker": 1}; amounts >= 0 and finite, as Ray takes them
-    resources: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
-    label_selector: dict[str, str] = Field(default_factory=dict)  # e.g. {"kind": "cpu"}
+    # e.g. {"cpu_worker": 1}: custom resources, amounts > 0 and finite (cluster/ray_options.py)
+    resources: Resources = Field(default_factory=dict)
+    label_selector: LabelSelector = Field(default_factory=dict)  # e.g. {"kind": "cpu"}
     runtime: Literal["ray", "inprocess"] = "ray"  # inprocess: no Ray at all (tests, bench)
     ray_num_cpus: int | None = Field(None, ge=1)  # CPUs of a local Ray started by the job
     # sharded: each worker holds a shard of the routed experts (cluster/ep_group.py)
@@ -76,7 +77,8 @@ class Workers(_Frozen):
     # killed and its sequences re-run elsewhere (workers/actor.py RayGroup). Absolute, so it
     # must cover the slowest host's longest step (a CPU worker's prefill chunk). 0 or null:
     # no timeout (a hung worker then holds the job). Expert-parallel groups find a hung
-    # worker by pinging it once a peer's step fails (cluster/ep_group.py) and ignore it.
+    # worker by pinging a step that runs long or outlives a peer's failed one
+    # (cluster/ep_group.py) and ignore it.
     step_timeout_s: float | None = 600.0
 
     @field_validator("step_timeout_s", mode="before")

@@ -6,7 +6,8 @@ Placement and the expert split: cluster/placement.py.
 
 A step (`step_all`) submits every worker's batch at once. When some fail, the group pings
 every live worker (`alive`, served in the experts concurrency group even mid-step) to see
-who is gone. For each dead worker: its experts go to the survivors with the most room left,
+who is gone; a step still running `watch_s` after it began is pinged too (and again every
+`watch_s`), so a hung worker that no peer's failed step points at is found all the same. For each dead worker: its experts go to the survivors with the most room left,
 pinned while they fit a survivor's room, else served from its host memory (`_move_experts`;
 `reassign`: they read just those tensors from the checkpoint), its capacity drops to 0, and
 its step (if it had one) is reported as dead, so the scheduler re-queues its sequences
@@ -28,6 +29,7 @@ import numpy as np
 from cluster.config import JobConfig
 from cluster.metrics import JobMetrics
 from cluster.placement import Placement, fleet_placements, split_owners
+from cluster.ray_options import PLAIN_FIELDS
 from workers.actor import LocalGroup, StepBatch, StepOutput
 from workers.collect import StepHung, collect_steps
 from workers.ep_worker import EXPERT_CALL_THREADS, EXPERT_GROUP
@@ -42,12 +44,20 @@ class WorkerDied(RuntimeError):
 class ShardedGroup:
     """WorkerGroup (workers/actor.py) of ShardedWorker actors; see the module docstring."""
     grace_s = 30.0  # a step still running this long after a peer's step failed is pinged
+    # and one still running this long after it began, and again as often while it runs: a
+    # hung worker whose peers' steps do not fail (none routed a token to it: they had no
+    # step, or only their own experts' tokens) held the group for ever
+    watch_s = 60.0
     ping_timeout_s = 30.0  # a worker that does not answer a ping within this is gone
 
     def __init__(self, cfg: JobConfig, placements: list[Placement], sharded: bool = True,
                  metrics: JobMetrics | None = None, start_timeout_s: float = 600.0):
         import ray
+        from cluster.ray_options import check_placeable
         from workers.ep_worker import ShardedWorker
+        w = cfg.workers  # (an actor no node can host would keep the job waiting: fail first)
+        check_placeable(ray, [(p.spec.name, p.options) for p in placements],
+                        f"workers.fleet {w.fleet}" if w.fleet is not None else PLAIN_FIELDS)
         self.sharded = sharded
         self.metrics = metrics or JobMetrics()  # Ray metrics (Ray is up by now)
         self.names = [p.spec.name for p in placements]
@@ -120,13 +130,15 @@ class ShardedGroup:
 
     def _run(self, batches: dict[int, StepBatch]) -> dict[int, Any]:
         """Each worker's step result or error. Once a step has failed, the ones still running
-        get grace_s more; then they are pinged: one that does not answer (hung: its peers'
-        expert calls timed out) gets a StepHung, so _find_dead kills it instead of it holding
-        the group forever; one that answers is only slow, and is waited for."""
+        get grace_s more; then they are pinged, as are steps still running watch_s after they
+        began (and every watch_s after that): one that does not answer (hung: its peers'
+        expert calls timed out, or nobody called it) gets a StepHung, so _find_dead kills it
+        instead of it holding the group forever; one that answers is only slow, and is waited
+        for."""
         import ray
         refs = {i: self.actors[i].step.remote(b) for i, b in batches.items()}
         return collect_steps(ray, refs, {i: self.names[i] for i in refs}, self.grace_s,
-                             self._silent)
+                             self._silent, timeout_s=self.watch_s, every_s=self.watch_s)
 
     def is_dead(self, worker: int, exc: BaseException) -> bool:
         return worker in self.dead

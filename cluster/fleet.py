@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 import yaml
@@ -35,6 +35,7 @@ from cluster import planner
 from cluster.footprint import WEIGHT_FORMATS, Footprint
 from cluster.memory_probe import ProbeError
 from cluster.planner import GB, SHADOW_FLOOR_GB, DeviceBudget
+from cluster.ray_options import LabelSelector, Resources
 from cluster.yaml_config import DuplicateKeyError, load_yaml
 from kernels.tiers import get_tier
 
@@ -77,8 +78,8 @@ class Node(_Frozen):
     memory: float | Literal["auto"]
     reserve_gb: float = Field(2.0, ge=0, allow_inf_nan=False)
     slots: int = Field(1, ge=1)
-    resources: dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=dict)
+    labels: LabelSelector = Field(default_factory=dict)
 
     @field_validator("memory", mode="before")
     @classmethod

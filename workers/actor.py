@@ -256,6 +256,9 @@ class RayGroup:
                  start_timeout_s: float = 600.0, step_timeout_s: float | None = 600.0):
         """placements: (spec, Ray actor options: num_cpus, resources, label_selector...)."""
         import ray
+        from cluster.ray_options import PLAIN_FIELDS, check_placeable
+        # (an actor no node can host would keep the job waiting out start_timeout_s)
+        check_placeable(ray, [(spec.name, opts) for spec, opts in placements], PLAIN_FIELDS)
         actor_cls = ray.remote(Worker)
         # named (as ShardedGroup's are), so that another driver can find and kill one on any
         # node: the soak's fault injector (cluster/soak/faults.py) kills a worker on another

@@ -5,7 +5,8 @@ the group forever (cluster/ep_group.py ShardedGroup, workers/actor.py RayGroup).
 at the first failed step, or `timeout_s` after the steps were submitted, whichever comes
 first. When it runs out, the
 steps still running are checked with `silent` (a ping); those that do not answer get a
-StepHung as their result, and the ones that answer are only slow and are waited for.
+StepHung as their result, and the ones that answer are only slow and are waited for: with
+`every_s`, checked again every so many seconds (a step can hang after a ping it answered).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def no_ping(workers) -> dict[int, str]:
 
 def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: float,
                   silent: Callable[[list[int]], dict[int, str]] = no_ping, *,
-                  timeout_s: float | None = None) -> dict[int, Any]:
+                  timeout_s: float | None = None, every_s: float | None = None) -> dict[int, Any]:
     """ray.get of every ref, under the grace rule of the module docstring (grace_s inf: no
-    grace, the timeout alone; timeout_s None: none)."""
+    grace, the timeout alone; timeout_s None: none; every_s None: no check after the first)."""
     out: dict[int, Any] = {}
     pending = dict(refs)
     t0 = time.monotonic()
@@ -42,10 +43,12 @@ def collect_steps(ray, refs: dict[int, Any], names: dict[int, str], grace_s: flo
                 pending.pop(i)
                 grace = (f"grace {grace_s:g} s after a failed step ended, "
                          if math.isfinite(grace_s) else "")
+                watch = f"step timeout {timeout_s}" if every_s is None else f"checked every {every_s:g} s"
                 out[i] = StepHung(f"worker {names[i]}: its step still runs after "
-                                  f"{time.monotonic() - t0:.0f} s ({grace}step timeout "
-                                  f"{timeout_s}) and it does not answer a ping ({hung[i]})")
-            deadline = None  # the ones that answered: slow, not hung
+                                  f"{time.monotonic() - t0:.0f} s ({grace}{watch}) and it does "
+                                  f"not answer a ping ({hung[i]})")
+            # the ones that answered: slow, not hung (yet)
+            deadline = None if every_s is None else time.monotonic() + every_s
             continue
         for i in [i for i, r in pending.items() if r in ready]:
             try:
