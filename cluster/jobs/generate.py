@@ -253,8 +253,9 @@ def worker_placements(cfg: JobConfig) -> list[tuple[WorkerSpec, dict[str, Any]]]
 def _start_workers(cfg: JobConfig):
     if cfg.workers.experts == "sharded" or (cfg.workers.fleet and cfg.workers.runtime == "ray"):
         from cluster.ep_group import start_group  # expert parallel / heterogeneous fleet
-        _unused_step_timeout(cfg, "expert-parallel / fleet workers find a hung one by a ping "
-                                  "once a peer's step fails (cluster/ep_group.py)")
+        _unused_step_timeout(cfg, "expert-parallel / fleet workers find a hung one by pinging "
+                                  "a step still running 60 s after it began or after a "
+                                  "peer's step failed (cluster/ep_group.py)")
         return start_group(cfg)
     placements = worker_placements(cfg)
     if cfg.workers.runtime == "inprocess":
