@@ -14,6 +14,7 @@ cannot be checked), and the caller says so.
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -63,21 +64,25 @@ def write_results(table: pa.Table, path: Path, settings: dict | None) -> None:
 
 
 def read_results(path: Path) -> ResultsFile:
-    """The file's rows and settings, checked; ResultsFileError says what is wrong with it."""
+    """The file's rows and settings, checked; ResultsFileError says what is wrong with it.
+    The digest is checked over the columns as written, so a newer kvfleet's file with a
+    column or a metadata key this one does not know still reads (without them); a file
+    without a digest may carry other tools' keys (pandas' to_parquet adds `pandas`)."""
     try:
         raw = pq.read_table(path, page_checksum_verification=True)
         meta = raw.schema.metadata or {}
-        table = _as_results(raw, DIGEST_KEY in meta)
+        digest = meta.get(DIGEST_KEY)
+        if digest is None and (odd := [k for k in meta if _ours_damaged(k)]):
+            # (a flipped bit in the digest's own name would pass the file as unchecked)
+            raise ResultsFileError(f"cannot read earlier results (schema metadata key "
+                                   f"{odd[0]!r:.60} is not one kvfleet writes: the file is "
+                                   f"damaged)")
+        if digest is not None and digest != rows_digest(raw, meta.get(SETTINGS_KEY)).encode():
+            raise ResultsFileError("cannot read earlier results (its rows do not match the "
+                                   "digest it was written with: the file is damaged)")
+        table = _as_results(raw, digest is not None)
     except _READ_ERRORS as e:  # (a damaged column name is not UTF-8: a ValueError too)
         raise ResultsFileError(f"cannot read earlier results ({_one_line(e)})") from None
-    if unknown := sorted(set(meta) - {SETTINGS_KEY, DIGEST_KEY}):
-        # (kvfleet writes no other key: one is a damaged name, e.g. of the digest's)
-        raise ResultsFileError(f"cannot read earlier results (unknown schema metadata key "
-                               f"{unknown[0]!r:.60}: the file is damaged)")
-    digest = meta.get(DIGEST_KEY)
-    if digest is not None and digest != rows_digest(table, meta.get(SETTINGS_KEY)).encode():
-        raise ResultsFileError("cannot read earlier results (its rows do not match the digest "
-                               "it was written with: the file is damaged)")
     settings = meta.get(SETTINGS_KEY)
     if settings is not None:
         try:
@@ -86,6 +91,15 @@ def read_results(path: Path) -> ResultsFile:
             raise ResultsFileError("cannot read earlier results (its kvfleet.settings metadata "
                                    "is not JSON: the file is damaged)") from None
     return ResultsFile(table, settings, digest is not None)
+
+
+def _ours_damaged(key: bytes) -> bool:
+    """A metadata key that is not one kvfleet writes but is close to one (or in its
+    namespace): a damaged name."""
+    if key in (SETTINGS_KEY, DIGEST_KEY):
+        return False
+    return key.startswith(b"kvfleet") or any(
+        difflib.SequenceMatcher(None, key, ours).ratio() >= 0.8 for ours in (SETTINGS_KEY, DIGEST_KEY))
 
 
 def _as_results(raw: pa.Table, checked: bool) -> pa.Table:
@@ -107,9 +121,17 @@ def rows_digest(table: pa.Table, settings: bytes | None) -> str:
     _feed(h, b"" if settings is None else settings)
     _feed(h, str(table.num_rows).encode())
     for name, col in zip(table.column_names, table.columns):
-        _feed(h, f"{name}:{col.type}".encode())
+        _feed(h, f"{name}:{_type_name(col.type)}".encode())
         _feed_array(h, col.combine_chunks())
     return h.hexdigest()
+
+
+def _type_name(t: pa.DataType) -> str:
+    """The type without a list's item name (Parquet reads list<item> back as list<element>
+    where no Arrow schema says otherwise)."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{_type_name(t.value_type)}>"
+    return str(t)
 
 
 def _feed(h, data) -> None:

@@ -193,3 +193,38 @@ def test_rerun_on_a_damaged_out_is_one_line_exit_2_and_keeps_it(tiny, tmp_path, 
     assert err.startswith(f"kvfleet generate: error: --out {out}: cannot read earlier results")
     assert len(err.strip().splitlines()) == 1, err
     assert out.read_bytes() == bytes(data) and not Path(f"{out}.lock").exists()
+
+
+def test_files_of_a_newer_kvfleet_and_of_other_tools_still_read(written, tmp_path):
+    """A newer kvfleet's OUT (a column and a metadata key this one does not know) is read,
+    its digest checked over the columns as written; an OUT rewritten by pandas (no digest,
+    a `pandas` key) reads unchecked; a kvfleet-like key on a file without a digest (the
+    digest's own name damaged) is refused. The first two were refused as 'damaged'."""
+    import pyarrow as pa
+
+    from cluster.jobs.results_file import (DIGEST_KEY, SETTINGS_KEY, ResultsFileError,
+                                           read_results, rows_digest)
+    t = pq.read_table(written)
+    meta = t.schema.metadata
+    newer = t.append_column("kvfleet_later", pa.array([[i, i] for i in range(t.num_rows)]))
+    new_meta = {SETTINGS_KEY: meta[SETTINGS_KEY], b"kvfleet.version": b"9.9",
+                DIGEST_KEY: rows_digest(newer, meta[SETTINGS_KEY]).encode()}
+    pq.write_table(newer.replace_schema_metadata(new_meta), tmp_path / "newer.parquet",
+                   write_page_checksum=True)
+    got = read_results(tmp_path / "newer.parquet")
+    assert got.checked and same(got.table.to_pylist(), read_results(written).table.to_pylist())
+    # (and its rows are still checked: one changed value is refused)
+    bad = newer.set_column(0, t.schema.field(0), pa.array(["x"] + t.column(0).to_pylist()[1:],
+                                                           t.schema.field(0).type))
+    pq.write_table(bad.replace_schema_metadata(new_meta), tmp_path / "bad.parquet")
+    with pytest.raises(ResultsFileError, match="do not match the digest"):
+        read_results(tmp_path / "bad.parquet")
+
+    t.to_pandas().to_parquet(tmp_path / "pandas.parquet")
+    got = read_results(tmp_path / "pandas.parquet")
+    assert not got.checked and got.table.num_rows == t.num_rows
+
+    damaged = {SETTINGS_KEY: meta[SETTINGS_KEY], b"kvfleet.digesu": meta[DIGEST_KEY]}
+    pq.write_table(t.replace_schema_metadata(damaged), tmp_path / "key.parquet")
+    with pytest.raises(ResultsFileError, match=r"b'kvfleet\.digesu' is not one kvfleet writes"):
+        read_results(tmp_path / "key.parquet")
