@@ -86,11 +86,17 @@ def run_generate(cfg: JobConfig, prompts: str | Path, out: str | Path, *,
         # (the workers would fail to create it, each with a traceback of its own)
         raise JobConfigError(f"kv_cache_dir {cfg.kv_cache_dir}: {why} (set by --kv-cache-dir, "
                              f"KVFLEET_KV_CACHE_DIR or `kv_cache_dir:`)")
-    try:  # the weights' headers (no tensor data): a missing, truncated or mismatched
-        # checkpoint ended every worker's start with a traceback of its own (exit 1)
-        check_checkpoint(cfg.model, mcfg)
-    except WeightsError as e:  # (names the file)
-        raise JobConfigError(f"model: {e}") from None
+    if cfg.workers.runtime == "ray" and not any(cfg.model.glob("*.safetensors")):
+        # (a driver on a head node with config.json and the tokenizer only: the weights are
+        # on the workers' nodes, which load their own copy, as before this check existed)
+        log.warning("model: %s has no weights on this host: not checked before the workers "
+                    "start (each checks its own copy as it loads)", cfg.model)
+    else:
+        try:  # the weights' headers (no tensor data): a missing, truncated or mismatched
+            # checkpoint ended every worker's start with a traceback of its own (exit 1)
+            check_checkpoint(cfg.model, mcfg)
+        except WeightsError as e:  # (names the file)
+            raise JobConfigError(f"model: {e}") from None
     store = ResultStore(out, flush_every=cfg.flush_every, settings=_settings(cfg))
     try:  # (the store locks OUT for this run: let go of it however the run ends)
         return _generate(cfg, prompts, out, store, tok, mcfg, t0, limit, progress)

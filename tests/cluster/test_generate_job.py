@@ -3,6 +3,7 @@ and the same results in-process, through the CLI, and on a local Ray started by 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -233,6 +234,38 @@ def test_bad_weights_are_a_usage_error_before_any_worker_starts(tiny, tmp_path, 
         assert len(err.strip().splitlines()) == 1, err
         assert re.search(f"^kvfleet generate: error: model: {said}", err), err
         assert not list(tmp_path.glob(f"{model.name}.parquet*"))
+
+
+def test_a_driver_without_the_weights_leaves_their_check_to_the_ray_workers(tiny, tmp_path,
+                                                                             monkeypatch, caplog):
+    """A `ray job submit` driver on a head node that has config.json and the tokenizer but
+    not the weights (they are on the GPU nodes, which load their own copy): the check before
+    the workers start refused it (exit 2), which no job could run past. Now it warns and
+    goes on to start the workers; weights that are here are still checked."""
+    import shutil
+
+    import cluster.jobs.generate as gen
+    from cluster.cli import main
+    prompts = write_lines(tmp_path / "p.jsonl", prompt_lines(2))
+    gone, cut = shutil.copytree(tiny, tmp_path / "gone"), shutil.copytree(tiny, tmp_path / "cut")
+    (gone / "model.safetensors").unlink()
+    with open(cut / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+
+    class Started(Exception):
+        pass
+
+    def start(cfg):
+        raise Started(cfg.model)
+    monkeypatch.setattr(gen, "_start_workers", start)
+    job = tmp_path / "job.yaml"
+    job.write_text("workers: {runtime: ray}\n")
+    with caplog.at_level(logging.WARNING), pytest.raises(Started):
+        main(["generate", "--prompts", str(prompts), "--out", str(tmp_path / "o.parquet"),
+              "--config", str(job), "--model", str(gone)])
+    assert f"model: {gone} has no weights on this host" in caplog.text
+    assert main(["generate", "--prompts", str(prompts), "--out", str(tmp_path / "c.parquet"),
+                 "--config", str(job), "--model", str(cut)]) == 2
 
 
 def test_unreadable_or_foreign_out_is_a_usage_error(tmp_path):
