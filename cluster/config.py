@@ -342,7 +342,7 @@ def load_job_config(path: str | Path | None = None, *, env: Mapping[str, str] | 
 # (kernels/metal/backend.py; kernels/cuda/attention.py, kernels/cuda/_build.py). A test
 # checks that every KVFLEET_ name in the source is here, so that the list cannot go stale.
 KNOWN_ENV = frozenset(ENV_FIELDS) | {
-    "KVFLEET_METAL",
+    "KVFLEET_METAL", "KVFLEET_WAIT_FOR_NODES",
     "KVFLEET_CUDA_PDL", "KVFLEET_CUDA_WGMMA", "KVFLEET_CUDA_TMA", "KVFLEET_CUDA_KV8_CVT",
     "KVFLEET_CUDA_WG_TUNING", "KVFLEET_CUDA_LINEINFO", "KVFLEET_CUDA_PTXAS_V",
 }

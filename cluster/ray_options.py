@@ -12,10 +12,14 @@ when the job starts: a cluster that an autoscaler would grow later is not forese
 """
 from __future__ import annotations
 
+import logging
+import os
 import re
 from typing import Annotated, Any, Mapping
 
 from pydantic import AfterValidator, Field
+
+log = logging.getLogger(__name__)
 
 # Ray's own resources: `GPU` / `CPU` are asked for by num_gpus / num_cpus (a cuda device
 # adds num_gpus=1 itself, cluster/placement.py), and ray.init refuses all four as custom ones
@@ -80,11 +84,27 @@ Resources = Annotated[dict[str, Annotated[float, Field(ge=0.0, allow_inf_nan=Fal
 LabelSelector = Annotated[dict[str, str], AfterValidator(_valid_labels)]
 
 
+WAIT_ENV = "KVFLEET_WAIT_FOR_NODES"  # 1: an autoscaling cluster adds the nodes (a warning)
+
+
 def check_placeable(ray, workers: list[tuple[str, Mapping[str, Any]]], field: str) -> None:
     """Raise JobConfigError (a usage error, exit 2) when a worker (name, Ray actor options)
     asks for what no live node of the cluster has, or the workers together ask for more of a
     resource than all the nodes have: they would never all start. `field` names where the
-    asks come from (e.g. "workers.fleet FILE")."""
+    asks come from (e.g. "workers.fleet FILE"). With KVFLEET_WAIT_FOR_NODES=1 (a cluster
+    whose autoscaler adds nodes on demand: KubeRay, `ray up`) the same is a warning, and
+    the workers wait for the nodes up to the start timeout."""
+    from cluster.config import JobConfigError
+    try:
+        _check_placeable(ray, workers, field)
+    except JobConfigError as e:
+        if os.environ.get(WAIT_ENV, "") not in ("1", "true", "yes"):
+            raise JobConfigError(f"{e} (on a cluster that adds nodes on demand, set "
+                                 f"{WAIT_ENV}=1 to wait for them)") from None
+        log.warning("%s; %s=1: waiting for the cluster to add such nodes", e, WAIT_ENV)
+
+
+def _check_placeable(ray, workers: list[tuple[str, Mapping[str, Any]]], field: str) -> None:
     from cluster.config import JobConfigError
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     for name, opts in workers:

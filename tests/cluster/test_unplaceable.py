@@ -134,3 +134,28 @@ def test_check_placeable_on_a_two_node_cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def test_an_autoscaling_cluster_can_wait_for_its_nodes(monkeypatch, caplog):
+    """A KubeRay / `ray up` cluster adds a GPU node when an actor asks for one: refusing the
+    job at once (no live node has a GPU) left such clusters no way to run. The error says
+    how to wait instead, and KVFLEET_WAIT_FOR_NODES=1 makes it a warning."""
+    import logging
+
+    class OneCpuNode:  # (ray.nodes() as Ray returns it, for a cluster of one CPU node)
+        @staticmethod
+        def nodes():
+            return [{"Alive": True, "NodeID": "ab" * 8, "NodeManagerAddress": "10.0.0.1",
+                     "Resources": {"CPU": 4.0, "kvfleet_cpu": 1.0}, "Labels": {}},
+                    {"Alive": False, "NodeID": "cd" * 8, "NodeManagerAddress": "10.0.0.2",
+                     "Resources": {"CPU": 8.0, "GPU": 1.0, "kvfleet_cuda": 1.0}, "Labels": {}}]
+    cuda = [("gpu-box/cuda0", {"num_cpus": 1, "num_gpus": 1, "resources": {"kvfleet_cuda": 1}})]
+    monkeypatch.delenv("KVFLEET_WAIT_FOR_NODES", raising=False)
+    with pytest.raises(JobConfigError, match=r"worker gpu-box/cuda0 .* set KVFLEET_WAIT_FOR_NODES=1 "
+                                             r"to wait for them\)$"):
+        check_placeable(OneCpuNode, cuda, "workers.fleet F")
+    monkeypatch.setenv("KVFLEET_WAIT_FOR_NODES", "1")
+    with caplog.at_level(logging.WARNING, logger="cluster.ray_options"):
+        check_placeable(OneCpuNode, cuda, "workers.fleet F")
+    assert "worker gpu-box/cuda0 asks Ray for" in caplog.text and "waiting for the cluster" in caplog.text
+    check_placeable(OneCpuNode, [("w0", {"num_cpus": 1, "resources": {"kvfleet_cpu": 1}})], "F")
