@@ -310,6 +310,18 @@ def arm_lines(summary: dict) -> list[str]:
             for arm, label, cells in _arm_rows(summary)]
 
 
+def _interrupted(summary: dict) -> str:
+    """A banner over a soak stopped by a signal (summary.json `interrupted`): its gate and
+    figures cover only the rounds that finished."""
+    cut = summary.get("interrupted")
+    if not cut:
+        return ""
+    what = (f"interrupted by {cut.get('signal', 'a signal')} after {cut.get('rounds_kept', '?')} "
+            f"finished round(s); round {cut.get('cut_round', '?')} (arm {cut.get('cut_arm', '?')}) "
+            f"was cut and is left out: the gate and every figure below cover the finished rounds only")
+    return f'<p class="warn"><b>warning: {html.escape(str(what))}</b></p>'
+
+
 def _img(b64: str | None, alt: str) -> str:
     return "" if b64 is None else f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
 
@@ -360,6 +372,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 .fail{{color:#b00}} .pass{{color:#070}} .warn{{color:#a50;background:#fff3dc}} .unknown{{color:#777}}
 .arms td{{text-align:left}}</style></head><body>
 <h1>{html.escape(title)}</h1>
+{_interrupted(summary)}
 <p class="{'pass' if gate.get('passed', True) else 'fail'}"><b>gate: {html.escape(verdict)}</b></p>
 {_arms(summary)}
 {_failed_rounds(summary)}

@@ -400,3 +400,16 @@ def test_arm_lines_say_per_arm_what_was_withheld():
         "soak: arm A (not recorded): build not recorded; job config not recorded; job "
         "variables declared by not "
         "recorded; withheld from its rounds: not recorded"]
+
+
+def test_an_interrupted_soaks_report_says_so_over_its_gate(tmp_path):
+    """A soak stopped by SIGTERM / Ctrl-C wrote its report for the finished rounds with
+    'gate: PASS' and nothing on the page saying the soak was cut short (only summary.json
+    had `interrupted`)."""
+    cut = {"signal": "SIGTERM", "rounds_kept": 1, "cut_round": 1, "cut_arm": "<B>"}
+    page, _ = _two_arm_report(tmp_path, interrupted=cut)
+    warn = page.index('<p class="warn"><b>warning: interrupted by SIGTERM after 1 finished round(s); '
+                      'round 1 (arm &lt;B&gt;) was cut')
+    assert warn < page.index("gate: PASS") and "<B>" not in page
+    page, _ = _two_arm_report(tmp_path)
+    assert "interrupted by" not in page
