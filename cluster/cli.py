@@ -25,6 +25,21 @@ class UsageError(Exception):
     """A user-facing error: bad flag, bad file, bad config value. Printed without a traceback."""
 
 
+class Stopped(BaseException):
+    """SIGTERM arrived (`ray job stop`, kill, a preempted node). A BaseException, as
+    KeyboardInterrupt is: no `except Exception` of a step takes it for a failed step."""
+
+
+def stop_on_sigterm(signum, frame) -> None:
+    """Stop as Ctrl-C does, so that a command's `finally` keeps what it finished (generate:
+    its rows, where the default action ended the process at once and lost up to flush_every
+    of them; soak: its finished rounds). A second SIGTERM ends it at once. (Once generate has
+    called ray.init, Ray's own driver handler, sys.exit(15), replaces this one: it unwinds
+    the same `finally` blocks; the soak sets this one again after ray.init.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Stopped
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

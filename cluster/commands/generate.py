@@ -28,7 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-from cluster.cli import UsageError
+from cluster.cli import Stopped, UsageError, stop_on_sigterm
 from cluster.config import REPO_ROOT, load_job_config, warn_unknown_env
 from kernels.tiers import TIERS
 
@@ -94,7 +94,7 @@ def run(args) -> int:
                          f"e.g. {args.stats / 'stats.json'}")
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:  # (under `ray job submit`)
         _warn_job_copy_paths(args, cfg)
-    previous = signal.signal(signal.SIGTERM, _stop)
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         summary = run_generate(cfg, args.prompts, args.out.resolve(), limit=args.limit)
     except Stopped:
@@ -132,20 +132,6 @@ def _warn_job_copy_paths(args, cfg) -> None:
                     "once unused; a later job shipping other files gets another), so the saved "
                     "KV is lost; give --kv-cache-dir, KVFLEET_KV_CACHE_DIR or `kv_cache_dir:` "
                     "an absolute path outside it, on storage that persists", d, here)
-
-
-class Stopped(BaseException):
-    """SIGTERM arrived (`ray job stop`, kill, a preempted node). A BaseException, as
-    KeyboardInterrupt is: no `except Exception` of a step takes it for a failed step."""
-
-
-def _stop(signum, frame) -> None:
-    """Stop as Ctrl-C does, so that the job's `finally` writes the rows it has finished
-    (the default action ended the process at once: up to flush_every rows were lost). A
-    second SIGTERM ends it at once. (Once the job has called ray.init, Ray's own driver
-    handler, sys.exit(15), replaces this one: it unwinds the same `finally` blocks.)"""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Stopped
 
 
 def write_stats(summary, cfg, path: Path) -> None:

@@ -66,7 +66,7 @@ def interrupted(args) -> str:
 
 
 def run(args) -> int:
-    from cluster.commands.generate import Stopped
+    from cluster.cli import Stopped
     from cluster.soak.config import load_arm
     from cluster.soak.report import arm_lines
     from cluster.soak.runner import SoakPlan, run_soak

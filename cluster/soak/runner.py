@@ -85,8 +85,7 @@ from cluster.cli import UsageError
 from cluster.config import REPO_ROOT
 from cluster.metrics import KeptGauges
 from cluster.requests import Request, is_input_error, read_requests, result_key
-# (generate's: SIGTERM raises Stopped, a second one ends the process at once)
-from cluster.commands.generate import Stopped, _stop as stop_on_sigterm
+from cluster.cli import Stopped, stop_on_sigterm  # (a second SIGTERM ends it at once)
 from cluster.soak.build import build_info
 from cluster.soak.config import FLAGS, SoakArm, checkout_env
 from cluster.soak.faults import WorkerKiller
